@@ -1,0 +1,105 @@
+"""Process-group set-up and printing, shared by every lesson script."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Short enough that a mismatched collective fails within a minute instead of hanging for the
+# default 10 (gloo) or 30 (NCCL) minutes; long enough for slow CPU steps. Override per run.
+DEFAULT_TIMEOUT_S = 60
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def pick_device(local_rank: int = 0) -> tuple[torch.device, str]:
+    """CUDA + NCCL when a GPU is visible, else CPU + gloo; COURSE_DEVICE=cpu|cuda overrides."""
+    want = os.environ.get("COURSE_DEVICE", "").strip().lower()
+    if want not in ("", "cpu", "cuda"):
+        raise ValueError(f"COURSE_DEVICE must be 'cpu' or 'cuda', got {want!r}")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("COURSE_DEVICE=cuda but torch sees no CUDA device")
+    if want == "cuda" or (want == "" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def setup(timeout_s: float | None = None) -> DistEnv:
+    """Join the process group that torchrun described in our environment variables."""
+    if "RANK" not in os.environ:
+        sys.exit(f"{Path(sys.argv[0]).name}: not started by torchrun; "
+                 f"run it as: code/run_w_torchrun.sh NPROC {Path(sys.argv[0]).name} ...")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device, backend = pick_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timeout_s or float(os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout),
+                            device_id=device if device.type == "cuda" else None)
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed)
+    except ImportError:
+        pass
+    torch.manual_seed(seed)  # seeds CUDA too
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def print0(*args, **kwargs) -> None:
+    """print() on rank 0 only: one copy of what every rank would print the same."""
+    if _rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def print_ranks(text: str) -> None:
+    """Every rank's text, printed by rank 0 in rank order, each line tagged with its rank.
+
+    Ranks are separate processes whose prints race each other to the terminal; gathering the
+    text to one rank is the only way to get the same output on every run. Collective: all
+    ranks must call it.
+    """
+    text = str(text)
+    if not dist.is_initialized():
+        texts = [text]
+    else:
+        texts = [None] * dist.get_world_size() if _rank() == 0 else None
+        dist.gather_object(text, texts, dst=0)
+    if _rank() == 0:
+        for r, t in enumerate(texts):
+            for line in t.splitlines() or [""]:
+                print(f"[rank {r}] {line}")
+        sys.stdout.flush()
+
+
+def write_json(path: str | os.PathLike | None, obj) -> None:
+    """Rank 0 writes obj as JSON (the measured results a notebook plots or a test asserts)."""
+    if path and _rank() == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(obj, indent=1))

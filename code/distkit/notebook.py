@@ -1,0 +1,47 @@
+"""Helpers for the notebooks: launch a lesson script, show the diff between two scripts."""
+from __future__ import annotations
+
+import difflib
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+CODE = Path(__file__).resolve().parent.parent  # the course's code/ folder
+LAUNCHER = CODE / "run_w_torchrun.sh"
+
+
+def launch(nproc: int, script: str, *args, ranks: str | None = None, env: dict | None = None,
+           check: bool = True) -> str:
+    """Run `code/run_w_torchrun.sh NPROC SCRIPT ARGS...`, stream its output, return it.
+
+    Raises CalledProcessError when the launch fails, so the notebook cell fails too (a plain
+    `!cmd` would print the error and carry on). `ranks="0"` shows only rank 0's output.
+    """
+    cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
+    print("$ code/run_w_torchrun.sh", shlex.join(cmd[1:]), flush=True)
+    run_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
+    if ranks is not None:
+        run_env["RANKS"] = ranks
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=run_env, cwd=CODE)
+    lines = []
+    for line in proc.stdout:  # stream, so long runs show progress
+        print(line, end="", flush=True)
+        lines.append(line)
+    if proc.wait() and check:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, "".join(lines))
+    return "".join(lines)
+
+
+def diff(before: str, after: str, context: int = 3) -> str:
+    """Unified diff of two scripts in code/: what the 'after' version adds to the 'before'."""
+    a, b = (CODE / before).read_text().splitlines(), (CODE / after).read_text().splitlines()
+    return "\n".join(difflib.unified_diff(a, b, before, after, n=context, lineterm=""))
+
+
+def show_diff(before: str, after: str, context: int = 3):
+    """The diff as a highlighted code block in a notebook."""
+    from IPython.display import Code
+    return Code(diff(before, after, context), language="diff")

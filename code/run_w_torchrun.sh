@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# run_w_torchrun.sh NPROC SCRIPT [ARGS...]
+#
+# Launch SCRIPT (a path relative to this code/ folder, or an absolute one) on NPROC processes
+# with torchrun, and exit with torchrun's status (non-zero when any rank fails).
+#
+# Single node (default): torchrun --standalone, which picks a free port, so two runs at
+# the same time never clash.
+#
+# Environment knobs:
+#   RANKS=0            show only these local ranks' output on the console (e.g. RANKS=0,1)
+#   LOG_DIR=DIR        also keep every rank's stdout/stderr in DIR/<run-id>/attempt_0/<rank>/
+#   OMP_NUM_THREADS    left alone if set; else cores / NPROC (at least 1), so ranks don't
+#                      fight over the CPU
+#   PYTHON             the Python whose torch to use (default: python3 on PATH)
+#
+# Multi-node (run the same command on every node; torchrun's c10d rendezvous assigns ranks):
+#   NNODES=2           number of nodes
+#   RDZV_ENDPOINT=H:P  host:port of the rendezvous, reachable from all nodes (e.g. node 0:29500)
+#   RDZV_ID=job42      a job id shared by all nodes (default: course)
+# e.g. on each of two nodes:  NNODES=2 RDZV_ENDPOINT=node0:29500 ./run_w_torchrun.sh 8 train.py
+set -euo pipefail
+
+# Bad input: one line saying what is wrong and how to call, exit status 2.
+die() { echo "run_w_torchrun.sh: $* (usage: run_w_torchrun.sh NPROC SCRIPT [ARGS...])" >&2; exit 2; }
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+[[ $# -ge 2 ]] || die "expected NPROC and SCRIPT, got $# argument(s)"
+nproc="$1"; script="$2"; shift 2
+[[ "$nproc" =~ ^[1-9][0-9]*$ ]] || die "NPROC must be a positive integer, got '$nproc'"
+[[ "$script" = /* ]] || script="$here/$script"
+[[ -f "$script" ]] || die "no such script: $script"
+
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+  threads=$(( $(nproc 2>/dev/null || echo 1) / nproc ))
+  export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
+fi
+# Let scripts import the course's helper package wherever they live (code/, code/solutions/).
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+
+
+args=(--nproc-per-node "$nproc")
+if [[ -n "${NNODES:-}" ]]; then
+  [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || die "NNODES must be a positive integer, got '$NNODES'"
+  [[ -n "${RDZV_ENDPOINT:-}" ]] || die "multi-node needs RDZV_ENDPOINT=host:port"
+  args+=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-course}")
+else
+  args+=(--standalone)
+fi
+[[ -z "${RANKS:-}" ]] || args+=(--local-ranks-filter "$RANKS")
+[[ -z "${LOG_DIR:-}" ]] || args+=(--log-dir "$LOG_DIR" --tee 3)
+
+# `torchrun` is this module's command-line name; going through $PYTHON runs the torch of the
+# environment that called us (e.g. a notebook's kernel) even when its bin/ is not on PATH.
+exec "${PYTHON:-python3}" -m torch.distributed.run "${args[@]}" "$script" "$@"
