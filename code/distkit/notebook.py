@@ -1,6 +1,7 @@
 """Helpers for the notebooks: launch a lesson script, show the diff between two scripts."""
 from __future__ import annotations
 
+import ast
 import difflib
 import os
 import shlex
@@ -25,7 +26,7 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None, env: dict |
     if ranks is not None:
         run_env["RANKS"] = ranks
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=run_env, cwd=CODE)
+                            env=run_env)
     lines = []
     for line in proc.stdout:  # stream, so long runs show progress
         print(line, end="", flush=True)
@@ -38,10 +39,27 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None, env: dict |
 def diff(before: str, after: str, context: int = 3) -> str:
     """Unified diff of two scripts in code/: what the 'after' version adds to the 'before'."""
     a, b = (CODE / before).read_text().splitlines(), (CODE / after).read_text().splitlines()
-    return "\n".join(difflib.unified_diff(a, b, before, after, n=context, lineterm=""))
+    return "\n".join(difflib.unified_diff(a, b, str(before), str(after), n=context, lineterm=""))
 
 
 def show_diff(before: str, after: str, context: int = 3):
     """The diff as a highlighted code block in a notebook."""
     from IPython.display import Code
     return Code(diff(before, after, context), language="diff")
+
+
+def source_of(script: str, name: str) -> str:
+    """The source of one top-level function or class in a script in code/ (without running it)."""
+    text = (CODE / script).read_text()
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+            start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+            return "\n".join(text.splitlines()[start - 1:node.end_lineno])
+    raise LookupError(f"no top-level function or class {name!r} in {script}")
+
+
+def show_source(script: str, name: str | None = None):
+    """A script in code/ (or one function of it) as a highlighted code block."""
+    from IPython.display import Code
+    text = source_of(script, name) if name else (CODE / script).read_text()
+    return Code(text, language="python")

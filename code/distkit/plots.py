@@ -1,0 +1,77 @@
+"""Pictures shared by the notebooks (matplotlib only)."""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+from matplotlib.patches import Rectangle
+
+RANK_COLORS = plt.get_cmap("tab10").colors
+REDUCTIONS = {"all_reduce", "reduce_scatter"}
+
+
+def _cells(ax, values, x0, y, owner_of):
+    for i, v in enumerate(values):
+        owner = owner_of(v)
+        face = "0.85" if owner is None else RANK_COLORS[owner % 10]
+        ax.add_patch(Rectangle((x0 + i, y), 0.95, 0.8, facecolor=face, alpha=0.75,
+                               edgecolor="black", linewidth=0.5))
+        ax.text(x0 + i + 0.47, y + 0.4, str(v), ha="center", va="center", fontsize=8)
+
+
+def plot_collectives(results: dict, ops: list[str] | None = None, cols: int = 3):
+    """Before/after values of every rank for each collective (output of collectives.py --json).
+
+    Cell colour = the rank the value came from (x = 10*rank + position); grey = a sum.
+    """
+    n = results["world_size"]
+    ops = ops or list(results["ops"])
+    rows = -(-len(ops) // cols)
+    width = max(len(a) for op in ops for a in results["ops"][op]["after"])
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, (0.55 * n + 0.9) * rows),
+                             squeeze=False)
+    for ax, op in zip(axes.flat, ops):
+        res = results["ops"][op]
+        for r in range(n):
+            y = n - 1 - r
+            summed = op in REDUCTIONS or (op == "reduce" and r == 0)
+            _cells(ax, res["before"][r], 0, y, lambda v: v // 10)
+            _cells(ax, res["after"][r], n + 1.2, y,
+                   (lambda v: None) if summed else (lambda v: v // 10))
+            ax.text(-0.2, y + 0.4, f"rank {r}", ha="right", va="center", fontsize=8)
+            ax.annotate("", (n + 1.1, y + 0.4), (n + 0.1, y + 0.4),
+                        arrowprops=dict(arrowstyle="->", color="0.4"))
+        ax.set_xlim(-1.6, n + 1.3 + width)
+        ax.set_ylim(-0.2, n)
+        ax.set_title(op, fontsize=10)
+        ax.axis("off")
+    for ax in axes.flat[len(ops):]:
+        ax.axis("off")
+    fig.suptitle(f"{n} ranks, before -> after (colour: rank the value came from; grey: a sum)",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_ring_schedule(schedule: list[list[int]]):
+    """Which chunk each rank sends at each step of a ring all-reduce (ring_allreduce.py --json)."""
+    n = len(schedule)
+    steps = len(schedule[0])
+    fig, ax = plt.subplots(figsize=(1.0 * steps + 1.5, 0.5 * n + 1.2))
+    for r, chunks in enumerate(schedule):
+        for s, c in enumerate(chunks):
+            ax.add_patch(Rectangle((s, n - 1 - r), 0.95, 0.85, facecolor=RANK_COLORS[c % 10],
+                                   alpha=0.7, edgecolor="black", linewidth=0.5))
+            ax.text(s + 0.47, n - 1 - r + 0.42, f"chunk {c}", ha="center", va="center",
+                    fontsize=8)
+    ax.axvline(steps / 2 - 0.025, color="black", linestyle="--", linewidth=1)
+    ax.text(steps / 4, n + 0.1, "reduce-scatter: add what arrives", ha="center", fontsize=9)
+    ax.text(3 * steps / 4, n + 0.1, "all-gather: copy what arrives", ha="center", fontsize=9)
+    ax.set_xlim(0, steps)
+    ax.set_ylim(0, n + 0.5)
+    ax.set_xticks([s + 0.47 for s in range(steps)], [str(s + 1) for s in range(steps)])
+    ax.set_yticks([n - 1 - r + 0.42 for r in range(n)], [f"rank {r}" for r in range(n)])
+    ax.set_xlabel("step (each rank sends one chunk of S/N bytes to its right neighbour)")
+    ax.set_title(f"Ring all-reduce on {n} ranks: {steps} steps of S/N bytes = 2(N-1)/N * S")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig

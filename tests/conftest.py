@@ -1,0 +1,56 @@
+"""Shared test plumbing: paths, and running the course launcher the way a learner would."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE = ROOT / "code"
+LAUNCHER = CODE / "run_w_torchrun.sh"
+sys.path.insert(0, str(CODE))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def launcher_env(env=None) -> dict:
+    """This environment, with this test run's Python for the launcher; None values unset."""
+    full = {**os.environ, "PYTHON": sys.executable, **(env or {})}
+    return {k: v for k, v in full.items() if v is not None}
+
+
+def run_launcher(*args, env=None, timeout=180) -> subprocess.CompletedProcess:
+    """code/run_w_torchrun.sh ARGS...; the timeout keeps a hung launch from hanging the suite."""
+    return subprocess.run([str(LAUNCHER), *map(str, args)], capture_output=True, text=True,
+                          env=launcher_env(env), timeout=timeout)
+
+
+def run_ok(*args, **kwargs) -> subprocess.CompletedProcess:
+    proc = run_launcher(*args, **kwargs)
+    assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def run_json(tmp_path, nproc, script, *args):
+    """Launch a script with --json and return (parsed results, stdout)."""
+    out = tmp_path / f"{Path(script).stem}-{nproc}.json"
+    proc = run_ok(nproc, script, *args, "--json", out)
+    return json.loads(out.read_text()), proc.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def rank_script(tmp_path):
+    """A tiny script outside code/ that prints what each rank sees."""
+    script = tmp_path / "show_env.py"
+    script.write_text("import os\n"
+                      "print(f\"rank={os.environ['RANK']} omp={os.environ['OMP_NUM_THREADS']}\")\n")
+    return script

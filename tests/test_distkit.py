@@ -1,0 +1,115 @@
+"""Unit tests of the helper package, in this process (no torchrun)."""
+import json
+import os
+import subprocess
+import sys
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import CODE, ROOT
+from distkit import pick_device, print_ranks, seed_everything, setup, write_json
+from distkit.notebook import diff, launch, source_of
+
+
+def test_pick_device_cpu_override(monkeypatch):
+    monkeypatch.setenv("COURSE_DEVICE", "cpu")
+    assert pick_device() == (torch.device("cpu"), "gloo")
+
+
+def test_pick_device_default_matches_hardware(monkeypatch):
+    monkeypatch.delenv("COURSE_DEVICE", raising=False)
+    device, backend = pick_device(local_rank=0)
+    assert (device.type, backend) == (("cuda", "nccl") if torch.cuda.is_available()
+                                      else ("cpu", "gloo"))
+
+
+def test_pick_device_rejects_bad_values(monkeypatch):
+    monkeypatch.setenv("COURSE_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="COURSE_DEVICE"):
+        pick_device()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_pick_device_cuda_without_gpu_is_an_error(monkeypatch):
+    monkeypatch.setenv("COURSE_DEVICE", "cuda")
+    with pytest.raises(RuntimeError, match="no CUDA"):
+        pick_device()
+
+
+def test_setup_outside_torchrun_says_how_to_launch(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="run_w_torchrun.sh"):
+        setup()
+
+
+def test_print_ranks_single_process(capsys):
+    print_ranks("a\nb")
+    assert capsys.readouterr().out == "[rank 0] a\n[rank 0] b\n"
+
+
+def test_print_ranks_in_a_process_group(capsys):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        print_ranks("hello")
+    finally:
+        dist.destroy_process_group()
+    assert capsys.readouterr().out == "[rank 0] hello\n"
+
+
+def test_seed_everything_repeats():
+    seed_everything(7)
+    a = torch.randn(3)
+    seed_everything(7)
+    assert torch.equal(a, torch.randn(3))
+
+
+def test_write_json(tmp_path):
+    write_json(tmp_path / "sub" / "r.json", {"x": [1, 2]})
+    assert json.loads((tmp_path / "sub" / "r.json").read_text()) == {"x": [1, 2]}
+    write_json(None, {"ignored": True})  # no path: nothing written, no error
+
+
+def test_diff_shows_added_lines(tmp_path):
+    (tmp_path / "before.py").write_text("a = 1\nprint(a)\n")
+    (tmp_path / "after.py").write_text("a = 1\nb = 2  # NEW\nprint(a)\n")
+    text = diff(tmp_path / "before.py", tmp_path / "after.py")
+    assert "+b = 2  # NEW" in text and "-" not in text.split("@@")[-1]
+
+
+def test_source_of_finds_a_function():
+    src = source_of("ring_allreduce.py", "ring_all_reduce")
+    assert src.startswith("def ring_all_reduce(") and "batch_isend_irecv" in src
+    with pytest.raises(LookupError):
+        source_of("ring_allreduce.py", "no_such_function")
+
+
+def test_launch_raises_when_the_launch_fails(capsys):
+    with pytest.raises(subprocess.CalledProcessError):
+        launch(2, "collectives.py", "--op", "nope")
+    assert "unknown --op nope" in capsys.readouterr().out  # stderr is merged and shown
+
+
+def _notebook(path, source):
+    nb = nbformat.v4.new_notebook()
+    nb.cells.append(nbformat.v4.new_code_cell(source))
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, path)
+
+
+def test_run_course_reports_pass_and_fail(tmp_path):
+    _notebook(tmp_path / "01_ok.ipynb", "x = 1")
+    _notebook(tmp_path / "02_bad.ipynb", "raise ValueError('boom')")
+    proc = subprocess.run([sys.executable, "-m", "distkit.run_course", "--out",
+                           str(tmp_path / "build"), str(tmp_path / "01_ok.ipynb"),
+                           str(tmp_path / "02_bad.ipynb")], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(CODE)},
+                          timeout=300)
+    assert proc.returncode == 1
+    rows = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines()
+            if line.startswith("0")}
+    assert rows == {"01_ok.ipynb": "pass", "02_bad.ipynb": "FAIL"}
+    assert (tmp_path / "build" / "02_bad.ipynb").exists()  # kept for inspection
