@@ -13,12 +13,13 @@ CODE = Path(__file__).resolve().parent.parent  # the course's code/ folder
 LAUNCHER = CODE / "run_w_torchrun.sh"
 
 
-def launch(nproc: int, script: str, *args, ranks: str | None = None, env: dict | None = None,
-           check: bool = True) -> str:
-    """Run `code/run_w_torchrun.sh NPROC SCRIPT ARGS...`, stream its output, return it.
+def launch(nproc: int, script: str, *args, ranks: str | None = None,
+           env: dict | None = None) -> None:
+    """Run `code/run_w_torchrun.sh NPROC SCRIPT ARGS...` and stream its output.
 
     Raises CalledProcessError when the launch fails, so the notebook cell fails too (a plain
     `!cmd` would print the error and carry on). `ranks="0"` shows only rank 0's output.
+    Returns nothing: the output is already on screen, and results come back as JSON files.
     """
     cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
     print("$ code/run_w_torchrun.sh", shlex.join(cmd[1:]), flush=True)
@@ -31,12 +32,11 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None, env: dict |
     for line in proc.stdout:  # stream, so long runs show progress
         print(line, end="", flush=True)
         lines.append(line)
-    if proc.wait() and check:
+    if proc.wait():
         raise subprocess.CalledProcessError(proc.returncode, cmd, "".join(lines))
-    return "".join(lines)
 
 
-def diff(before: str, after: str, context: int = 3) -> str:
+def diff(before: str | os.PathLike, after: str | os.PathLike, context: int = 3) -> str:
     """Unified diff of two scripts in code/: what the 'after' version adds to the 'before'."""
     a, b = (CODE / before).read_text().splitlines(), (CODE / after).read_text().splitlines()
     return "\n".join(difflib.unified_diff(a, b, str(before), str(after), n=context, lineterm=""))

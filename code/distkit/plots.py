@@ -32,7 +32,8 @@ def plot_collectives(results: dict, ops: list[str] | None = None, cols: int = 3)
         res = results["ops"][op]
         for r in range(n):
             y = n - 1 - r
-            summed = op in REDUCTIONS or (op == "reduce" and r == 0)
+            # reduce: the root holds the sum; the others hold their input or a partial sum
+            summed = op in REDUCTIONS or (op == "reduce" and res["after"][r] != res["before"][r])
             _cells(ax, res["before"][r], 0, y, lambda v: v // 10)
             _cells(ax, res["after"][r], n + 1.2, y,
                    (lambda v: None) if summed else (lambda v: v // 10))

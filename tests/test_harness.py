@@ -1,0 +1,72 @@
+"""The test harness itself: pins in step, offline, and nbval really fails on a failed launch."""
+import re
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from conftest import ROOT
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def pins(lines):
+    return {line.strip().lstrip("- ").strip() for line in lines
+            if re.match(r"^\s*-?\s*[A-Za-z0-9_.\-\[\]]+==", line)}
+
+
+def test_environment_yml_has_the_same_pins_as_requirements():
+    req = pins((ROOT / "requirements.txt").read_text().splitlines())
+    env = pins((ROOT / "environment.yml").read_text().splitlines())
+    assert "torch==2.13.0" in req
+    assert env == req, f"only in requirements.txt: {req - env}; only in environment.yml: {env - req}"
+
+
+def test_every_requirement_is_pinned_exactly():
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        assert not line or "==" in line, f"not pinned: {line}"
+
+
+def test_makefile_runs_offline_and_ci_calls_make_test():
+    assert "export HF_HUB_OFFLINE := 1" in (ROOT / "Makefile").read_text()
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_has_parameters_and_stored_outputs(nb):
+    cells = nbformat.read(nb, as_version=4).cells
+    code = [c for c in cells if c.cell_type == "code"]
+    assert any("parameters" in c.metadata.get("tags", []) for c in code), "no parameters cell"
+    assert all(c.execution_count for c in code), "cells stored without being run"
+    for c in code:
+        assert not re.search(r"^\s*!", c.source, re.M), "`!cmd` never fails the cell"
+
+
+def _nbval(tmp_path, source):
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("# NBVAL_IGNORE_OUTPUT\n" + source)
+    nb.cells.append(cell)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    path = tmp_path / "check.ipynb"
+    nbformat.write(nb, path)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")  # not the course's config
+    return subprocess.run([sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env",
+                           "-p", "no:cacheprovider", "-q", str(path)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+
+
+SETUP = f"import sys; sys.path.insert(0, {str(ROOT / 'code')!r})\nfrom distkit.notebook import launch\n"
+
+
+def test_nbval_passes_a_cell_whose_launch_succeeds(tmp_path):
+    proc = _nbval(tmp_path, SETUP + "launch(2, 'hello_torchrun.py')")
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_nbval_fails_a_cell_whose_launch_fails(tmp_path):
+    proc = _nbval(tmp_path, SETUP + "launch(2, 'collectives.py', '--op', 'nope')")
+    assert proc.returncode == 1, proc.stdout
+    assert "CalledProcessError" in proc.stdout and "1 failed" in proc.stdout
