@@ -52,5 +52,6 @@ def rank_script(tmp_path):
     """A tiny script outside code/ that prints what each rank sees."""
     script = tmp_path / "show_env.py"
     script.write_text("import os\n"
-                      "print(f\"rank={os.environ['RANK']} omp={os.environ['OMP_NUM_THREADS']}\")\n")
+                      "print(f\"rank={os.environ['RANK']} omp={os.environ['OMP_NUM_THREADS']}\", "
+                      "flush=True)\n")
     return script
