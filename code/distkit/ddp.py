@@ -1,0 +1,65 @@
+"""Watching DDP communicate: a comm hook that all-reduces exactly like DDP's default one and
+records, for every gradient bucket, its size and when its all-reduce started and finished."""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+
+class CommLog:
+    """Attach with `CommLog.attach(ddp_model)`; read `summary(ddp_model)` after training.
+
+    DDP calls the hook as soon as a bucket's gradients are all computed, while backward is
+    still running for earlier layers: that is the overlap of communication and computation.
+    """
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.backwards = []  # [start, end] of every backward pass, seconds since t0
+        self.calls = []      # one dict per all-reduce
+
+    @classmethod
+    def attach(cls, ddp_model) -> "CommLog":
+        log = cls()
+        ddp_model.register_comm_hook(log, cls._hook)
+        ddp_model.module.register_forward_hook(log._watch_output)
+        return log
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _watch_output(self, module, args, output):
+        # The first gradient computed in backward is the output's: hook it to see backward start.
+        values = output.values() if isinstance(output, dict) else (
+            output if isinstance(output, (tuple, list)) else [output])
+        first = next((t for t in values if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is not None:
+            first.register_hook(self._backward_started)
+
+    def _backward_started(self, grad):
+        self.backwards.append([self._now(), None])
+        end = self.backwards[-1]
+        # runs once the whole backward pass (and DDP's own finalisation) is done
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: end.__setitem__(1, self._now()))
+
+    @staticmethod
+    def _hook(log: "CommLog", bucket):
+        call = {"backward": len(log.backwards) - 1, "bucket": bucket.index(),
+                "bytes": bucket.buffer().numel() * bucket.buffer().element_size(),
+                "params": len(bucket.parameters()), "start": log._now()}
+        log.calls.append(call)
+
+        def finished(fut):
+            call["end"] = log._now()
+            return fut.value()
+
+        return default_hooks.allreduce_hook(None, bucket).then(finished)
+
+    def summary(self, ddp_model) -> dict:
+        grads = [p for p in ddp_model.parameters() if p.requires_grad]
+        return {"grad_bytes": sum(p.numel() * p.element_size() for p in grads),
+                "num_params": sum(p.numel() for p in grads),
+                "backwards": self.backwards, "calls": self.calls}

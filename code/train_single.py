@@ -1,0 +1,49 @@
+"""Chapter 01's "before": one process trains a tiny Llama on counting sequences.
+
+    code/run_w_torchrun.sh 1 train_single.py --batch-size 16 --json /tmp/single.json
+
+A real causal LM (transformers' LlamaForCausalLM, built from a config) with its real loss:
+cross-entropy of every next token. train_ddp.py is this script plus the lines DDP needs.
+"""
+import argparse
+
+import torch
+from torch.utils.data import DataLoader, RandomSampler
+
+from distkit import seed_everything, write_json
+from distkit.toy import counting_data, tiny_llama
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
+parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--json", help="write per-step losses here")
+parser.add_argument("--save", help="write the final weights here")
+args = parser.parse_args()
+if args.batch_size < 1 or args.samples < args.batch_size:
+    parser.error("need 1 <= --batch-size <= --samples")
+
+seed_everything(args.seed)
+model = tiny_llama()
+optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+data = counting_data(args.samples)
+shuffle = torch.Generator()
+sampler = RandomSampler(data, generator=shuffle)
+loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+
+losses = []
+for epoch in range(args.epochs):
+    shuffle.manual_seed(args.seed + epoch)  # a different order every epoch, the same every run
+    for (tokens,) in loader:
+        loss = model(input_ids=tokens, labels=tokens).loss  # mean cross-entropy, next token
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    print(f"epoch {epoch}  step {len(losses):3d}  loss {losses[-1]:.4f}")
+
+write_json(args.json, {"losses": losses})
+if args.save:
+    torch.save(model.state_dict(), args.save)
