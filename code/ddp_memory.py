@@ -9,6 +9,7 @@ That redundancy is what ZeRO and FSDP remove (chapters 03 and 04).
 import argparse
 
 import torch
+import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -50,6 +51,9 @@ print0(f"{n_params:,} parameters; formula: params 4, grads 4, AdamW 8 bytes each
 print_ranks("  ".join(f"{name} {measured[name] / n_params:.3f}"
                       for name in ("params", "grads", "optimizer"))
             + f"  B/param; peak activations {measured['peak_activations']:,} B")
+every_rank = [None] * env.world_size
+dist.all_gather_object(every_rank, measured)
 write_json(args.json, {"world_size": env.world_size, "num_params": n_params,
-                       "num_tensors": len(list(model.parameters())), **measured})
+                       "num_tensors": len(list(model.parameters())),
+                       **{k: [m[k] for m in every_rank] for k in measured}})
 teardown()

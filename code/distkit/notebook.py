@@ -4,6 +4,7 @@ from __future__ import annotations
 import ast
 import difflib
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -14,11 +15,13 @@ LAUNCHER = CODE / "run_w_torchrun.sh"
 
 
 def launch(nproc: int, script: str, *args, ranks: str | None = None,
-           env: dict | None = None) -> None:
+           env: dict | None = None, expect_failure: bool = False) -> None:
     """Run `code/run_w_torchrun.sh NPROC SCRIPT ARGS...` and stream its output.
 
     Raises CalledProcessError when the launch fails, so the notebook cell fails too (a plain
     `!cmd` would print the error and carry on). `ranks="0"` shows only rank 0's output.
+    `expect_failure=True` is for demonstrating a failure: it shows only the error lines of each
+    rank and raises if the launch *succeeds*.
     Returns nothing: the output is already on screen, and results come back as JSON files.
     """
     cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
@@ -30,10 +33,17 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
                             env=run_env)
     lines = []
     for line in proc.stdout:  # stream, so long runs show progress
-        print(line, end="", flush=True)
+        if not expect_failure:
+            print(line, end="", flush=True)
         lines.append(line)
-    if proc.wait():
-        raise subprocess.CalledProcessError(proc.returncode, cmd, "".join(lines))
+    status = proc.wait()
+    if expect_failure:
+        if status == 0:
+            raise AssertionError(f"expected {script} to fail, but it succeeded")
+        errors = sorted({ln for ln in lines if re.match(r"\[rank\d+\]: \w*(Error|Exception)\b", ln)})
+        print("".join(errors) + f"=> failed with exit status {status}, as expected")
+    elif status:
+        raise subprocess.CalledProcessError(status, cmd, "".join(lines))
 
 
 def diff(before: str | os.PathLike, after: str | os.PathLike, context: int = 3) -> str:
