@@ -113,3 +113,13 @@ def test_run_course_reports_pass_and_fail(tmp_path):
             if line.startswith("0")}
     assert rows == {"01_ok.ipynb": "pass", "02_bad.ipynb": "FAIL"}
     assert (tmp_path / "build" / "02_bad.ipynb").exists()  # kept for inspection
+
+
+def test_launch_expect_failure_shows_rank_errors(capsys):
+    launch(2, "collectives.py", "--op", "broadcast", env={"COURSE_DEVICE": "tpu"},
+           expect_failure=True)
+    out = capsys.readouterr().out
+    assert "ValueError: COURSE_DEVICE must be 'cpu' or 'cuda', got 'tpu'" in out
+    assert out.rstrip().endswith("as expected")
+    with pytest.raises(AssertionError, match="expected hello_torchrun.py to fail"):
+        launch(2, "hello_torchrun.py", expect_failure=True)

@@ -40,7 +40,9 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     if expect_failure:
         if status == 0:
             raise AssertionError(f"expected {script} to fail, but it succeeded")
-        errors = sorted({ln for ln in lines if re.match(r"\[rank\d+\]: \w*(Error|Exception)\b", ln)})
+        # the exception lines of the ranks ("[rank1]: " once the process group is up)
+        errors = sorted({ln for ln in lines
+                         if re.match(r"(\[rank\d+\]: )?\w*(Error|Exception): ", ln)})
         print("".join(errors) + f"=> failed with exit status {status}, as expected")
     elif status:
         raise subprocess.CalledProcessError(status, cmd, "".join(lines))
