@@ -6,7 +6,12 @@
 - `print0()` / `print_ranks()`: print from rank 0, or every rank's text in rank order.
 - `write_json()`: rank 0 writes measured results for notebooks and tests to read.
 
-Notebook-side helpers (launching scripts, showing diffs) live in `distkit.notebook`.
+Submodules, imported where needed:
+- `distkit.toy`: a tiny transformers Llama and generated token data (nothing downloaded).
+- `distkit.ddp`: `CommLog`, a DDP comm hook that records every bucket's all-reduce.
+- `distkit.notebook`: launch a script from a notebook (failing the cell if it fails), diffs.
+- `distkit.plots`: pictures shared by the notebooks.
+- `distkit.run_course`: `make course`, every notebook through papermill.
 """
 from .dist import (DistEnv, pick_device, print0, print_ranks, seed_everything, setup,
                    teardown, write_json)
