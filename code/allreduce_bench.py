@@ -45,7 +45,7 @@ for size in sizes:
             torch.cuda.synchronize()
         samples.append(time.perf_counter() - t0)
     # Each rank has its own view of the time; the slowest rank is the collective's time.
-    t = torch.tensor(sorted(samples)[len(samples) // 2])
+    t = torch.tensor(sorted(samples)[len(samples) // 2], device=env.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     times.append(t.item())
 

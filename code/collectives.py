@@ -25,7 +25,7 @@ def broadcast(x, rank, n):  # rank 0's tensor overwrites everyone's
 
 
 def scatter(x, rank, n):  # rank 0 hands element i of its tensor to rank i
-    out = torch.empty(1, dtype=x.dtype)
+    out = torch.empty(1, dtype=x.dtype, device=x.device)
     dist.scatter(out, list(x.chunk(n)) if rank == 0 else None, src=0)
     return out
 
@@ -47,13 +47,13 @@ def all_reduce(x, rank, n):  # everyone gets the sum: DDP's gradient averaging
 
 
 def all_gather(x, rank, n):  # everyone gets everyone's tensor: FSDP's parameter unsharding
-    out = torch.empty(n * x.numel(), dtype=x.dtype)
+    out = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
     dist.all_gather_single(out, x)  # formerly all_gather_into_tensor
     return out
 
 
 def reduce_scatter(x, rank, n):  # everyone gets one slice of the sum: FSDP's gradient sharding
-    out = torch.empty(x.numel() // n, dtype=x.dtype)
+    out = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
     dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM)  # formerly reduce_scatter_tensor
     return out
 
