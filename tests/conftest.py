@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +40,16 @@ def run_json(tmp_path, nproc, script, *args):
     out = tmp_path / f"{Path(script).stem}-{nproc}.json"
     proc = run_ok(nproc, script, *args, "--json", out)
     return json.loads(out.read_text()), proc.stdout
+
+
+def write_notebook(path, *sources) -> Path:
+    """A notebook with one code cell per source, for testing the harness itself."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, path)
+    return Path(path)
 
 
 def free_port() -> int:

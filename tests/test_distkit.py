@@ -4,12 +4,11 @@ import os
 import subprocess
 import sys
 
-import nbformat
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import CODE, ROOT
+from conftest import CODE, ROOT, write_notebook
 from distkit import pick_device, print_ranks, seed_everything, setup, write_json
 from distkit.notebook import diff, launch, source_of
 
@@ -92,17 +91,9 @@ def test_launch_raises_when_the_launch_fails(capsys):
     assert "unknown --op nope" in capsys.readouterr().out  # stderr is merged and shown
 
 
-def _notebook(path, source):
-    nb = nbformat.v4.new_notebook()
-    nb.cells.append(nbformat.v4.new_code_cell(source))
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    nbformat.write(nb, path)
-
-
 def test_run_course_reports_pass_and_fail(tmp_path):
-    _notebook(tmp_path / "01_ok.ipynb", "x = 1")
-    _notebook(tmp_path / "02_bad.ipynb", "raise ValueError('boom')")
+    write_notebook(tmp_path / "01_ok.ipynb", "x = 1")
+    write_notebook(tmp_path / "02_bad.ipynb", "raise ValueError('boom')")
     proc = subprocess.run([sys.executable, "-m", "distkit.run_course", "--out",
                            str(tmp_path / "build"), str(tmp_path / "01_ok.ipynb"),
                            str(tmp_path / "02_bad.ipynb")], capture_output=True, text=True,

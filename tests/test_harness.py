@@ -6,7 +6,7 @@ import sys
 import nbformat
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, write_notebook
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
@@ -45,13 +45,7 @@ def test_notebook_has_parameters_and_stored_outputs(nb):
 
 
 def _nbval(tmp_path, source):
-    nb = nbformat.v4.new_notebook()
-    cell = nbformat.v4.new_code_cell("# NBVAL_IGNORE_OUTPUT\n" + source)
-    nb.cells.append(cell)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    path = tmp_path / "check.ipynb"
-    nbformat.write(nb, path)
+    path = write_notebook(tmp_path / "check.ipynb", "# NBVAL_IGNORE_OUTPUT\n" + source)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # not the course's config
     return subprocess.run([sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env",
                            "-p", "no:cacheprovider", "-q", str(path)],

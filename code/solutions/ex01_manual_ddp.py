@@ -58,7 +58,8 @@ for epoch in range(args.epochs):
             g /= env.world_size  # sum -> mean, as the single process's loss is a mean
         optimizer.step()
         optimizer.zero_grad()
-        dist.all_reduce(loss := loss.detach())
+        loss = loss.detach()
+        dist.all_reduce(loss)  # for the log: the mean over all ranks' sequences
         losses.append(loss.item() / env.world_size)
     print0(f"epoch {epoch}  step {len(losses):3d}  loss {losses[-1]:.4f}")
 print0(f"all_reduce calls per step: {calls // len(losses)}")
