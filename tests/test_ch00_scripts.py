@@ -27,7 +27,7 @@ def expected_collectives(n):
 
 
 def test_hello_torchrun():
-    out = run_ok(2, "hello_torchrun.py").stdout
+    out = run_ok(2, "ch00_collectives/hello_torchrun.py").stdout
     for r in (0, 1):
         assert f"[rank {r}] RANK={r}  LOCAL_RANK={r}  WORLD_SIZE=2" in out
     assert "backend=gloo device=cpu" in out or "backend=nccl" in out
@@ -35,7 +35,7 @@ def test_hello_torchrun():
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_collectives_match_theory(tmp_path, n):
-    res, out = run_json(tmp_path, n, "collectives.py", "--op", "all")
+    res, out = run_json(tmp_path, n, "ch00_collectives/collectives.py", "--op", "all")
     assert res["world_size"] == n
     expected = expected_collectives(n)
     assert set(res["ops"]) == set(expected)
@@ -46,15 +46,15 @@ def test_collectives_match_theory(tmp_path, n):
 
 
 def test_collectives_bad_input():
-    proc = run_launcher(2, "collectives.py", "--op", "all_reduce,bogus")
+    proc = run_launcher(2, "ch00_collectives/collectives.py", "--op", "all_reduce,bogus")
     assert proc.returncode != 0 and "unknown --op bogus" in proc.stderr
-    proc = run_launcher(1, "collectives.py", "--op", "broadcast")
+    proc = run_launcher(1, "ch00_collectives/collectives.py", "--op", "broadcast")
     assert proc.returncode != 0 and "needs at least 2 processes" in proc.stderr
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_ring_allreduce_bytes_equal_theory(tmp_path, n):
-    res, out = run_json(tmp_path, n, "ring_allreduce.py", "--numel", 4096)
+    res, out = run_json(tmp_path, n, "ch00_collectives/ring_allreduce.py", "--numel", 4096)
     assert res["bytes"] == 4096 * 4
     assert res["theory_sent"] == 2 * (n - 1) / n * res["bytes"]
     assert res["sent"] == [res["theory_sent"]] * n  # exact, every rank
@@ -64,39 +64,39 @@ def test_ring_allreduce_bytes_equal_theory(tmp_path, n):
 
 def test_ring_allreduce_uneven_chunks(tmp_path):
     """1000 elements on 3 ranks: chunks differ by one element, the total is still 2(N-1)*S."""
-    res, _ = run_json(tmp_path, 3, "ring_allreduce.py", "--numel", 1000)
+    res, _ = run_json(tmp_path, 3, "ch00_collectives/ring_allreduce.py", "--numel", 1000)
     assert sum(res["sent"]) == 2 * (3 - 1) * res["bytes"]
     assert max(res["sent"]) - min(res["sent"]) <= 2 * 4  # at most one float32 per phase
 
 
 def test_ring_allreduce_bad_input():
-    proc = run_launcher(2, "ring_allreduce.py", "--numel", 0)
+    proc = run_launcher(2, "ch00_collectives/ring_allreduce.py", "--numel", 0)
     assert proc.returncode != 0 and "--numel must be positive" in proc.stderr
 
 
 def test_allreduce_bench(tmp_path):
-    res, out = run_json(tmp_path, 2, "allreduce_bench.py", "--max-mb", 0.25, "--iters", 2)
+    res, out = run_json(tmp_path, 2, "ch00_collectives/allreduce_bench.py", "--max-mb", 0.25, "--iters", 2)
     assert res["sizes"] == [1024, 4096, 16384, 65536, 262144]
     assert len(res["times"]) == 5 and all(t > 0 for t in res["times"])
     assert "busbw" in out
 
 
 def test_allreduce_bench_bad_input():
-    proc = run_launcher(2, "allreduce_bench.py", "--iters", 0)
+    proc = run_launcher(2, "ch00_collectives/allreduce_bench.py", "--iters", 0)
     assert proc.returncode != 0 and "--iters >= 1" in proc.stderr
 
 
 def test_hello_outside_torchrun_says_how_to_launch():
-    proc = subprocess.run([sys.executable, str(CODE / "hello_torchrun.py")],
+    proc = subprocess.run([sys.executable, str(CODE / "ch00_collectives/hello_torchrun.py")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
         "hello_torchrun.py: not started by torchrun; "
-        "run it as: code/run_w_torchrun.sh 2 hello_torchrun.py"]
+        "run it as: code/run_w_torchrun.sh 2 ch00_collectives/hello_torchrun.py"]
 
 
 def test_solution_naive_allreduce_bottleneck(tmp_path):
-    res, out = run_json(tmp_path, 4, "solutions/ex00_naive_allreduce.py", "--numel", 1024)
+    res, out = run_json(tmp_path, 4, "ch00_collectives/solutions/ex00_naive_allreduce.py", "--numel", 1024)
     S, n = res["bytes"], 4
     assert res["sent"] == [(n - 1) * S] + [S] * (n - 1)
     assert res["received"] == [(n - 1) * S] + [S] * (n - 1)
@@ -104,6 +104,6 @@ def test_solution_naive_allreduce_bottleneck(tmp_path):
 
 
 def test_solution_global_mean(tmp_path):
-    res, _ = run_json(tmp_path, 2, "solutions/ex00_global_mean.py")
+    res, _ = run_json(tmp_path, 2, "ch00_collectives/solutions/ex00_global_mean.py")
     assert res["exact"] == pytest.approx(res["reference"], abs=1e-12)
     assert abs(res["mean_of_means"] - res["reference"]) > 1e-3  # the naive mean is wrong

@@ -15,7 +15,7 @@ WEIGHT_TOL = 1e-4  # final weights after 32 AdamW steps (Adam amplifies the last
 def single(tmp_path_factory):
     """The reference: one process, global batch 16, two epochs."""
     tmp = tmp_path_factory.mktemp("single")
-    run_ok(1, "train_single.py", "--batch-size", 16, "--json", tmp / "s.json",
+    run_ok(1, "ch01_ddp/train_single.py", "--batch-size", 16, "--json", tmp / "s.json",
            "--save", tmp / "s.pt")
     return json.loads((tmp / "s.json").read_text())["losses"], torch.load(tmp / "s.pt")
 
@@ -34,7 +34,7 @@ def test_single_process_loss_falls(single):
 def test_ddp_matches_single_process(tmp_path, single, n, extra):
     per_rank = 16 // n // (2 if extra else 1)
     ckpt = tmp_path / "d.pt"
-    res, _ = run_json(tmp_path, n, "train_ddp.py", "--batch-size", per_rank, *extra,
+    res, _ = run_json(tmp_path, n, "ch01_ddp/train_ddp.py", "--batch-size", per_rank, *extra,
                       "--save", ckpt)
     ref_losses, ref_weights = single
     assert len(res["losses"]) == len(ref_losses)
@@ -43,7 +43,7 @@ def test_ddp_matches_single_process(tmp_path, single, n, extra):
 
 
 def test_buckets_carry_exactly_the_gradient_bytes(tmp_path):
-    res, _ = run_json(tmp_path, 2, "train_ddp.py", "--epochs", 1, "--log-comm",
+    res, _ = run_json(tmp_path, 2, "ch01_ddp/train_ddp.py", "--epochs", 1, "--log-comm",
                       "--bucket-cap-mb", 0.05)
     comm = res["comm"]
     per_backward = {}
@@ -54,7 +54,7 @@ def test_buckets_carry_exactly_the_gradient_bytes(tmp_path):
         assert sum(c["bytes"] for c in calls) == comm["grad_bytes"] == 4 * comm["num_params"]
     assert len(per_backward[0]) == 1   # first step: one bucket, before DDP rebuilds them
     assert len(per_backward[1]) > 3    # then buckets of about --bucket-cap-mb
-    big, _ = run_json(tmp_path, 2, "train_ddp.py", "--epochs", 1, "--log-comm")
+    big, _ = run_json(tmp_path, 2, "ch01_ddp/train_ddp.py", "--epochs", 1, "--log-comm")
     assert {c["backward"] for c in big["comm"]["calls"]} == set(range(16))
     assert len(big["comm"]["calls"]) == 16  # default 25 MB: one bucket per step
 
@@ -62,7 +62,7 @@ def test_buckets_carry_exactly_the_gradient_bytes(tmp_path):
 def test_no_sync_skips_all_reduces(tmp_path):
     counts = {}
     for flag in ([], ["--sync-micro-batches"]):
-        res, _ = run_json(tmp_path, 2, "train_ddp.py", "--epochs", 1, "--batch-size", 2,
+        res, _ = run_json(tmp_path, 2, "ch01_ddp/train_ddp.py", "--epochs", 1, "--batch-size", 2,
                           "--accum", 4, "--log-comm", *flag)
         counts[bool(flag)] = (len(res["comm"]["calls"]), res["losses"])
     (calls, losses), (calls_sync, losses_sync) = counts[False], counts[True]
@@ -71,10 +71,10 @@ def test_no_sync_skips_all_reduces(tmp_path):
 
 
 def test_resume_is_bit_exact(tmp_path):
-    full, _ = run_json(tmp_path, 2, "train_ddp.py", "--epochs", 2)
+    full, _ = run_json(tmp_path, 2, "ch01_ddp/train_ddp.py", "--epochs", 2)
     ckpt = tmp_path / "epoch1.pt"
-    run_ok(2, "train_ddp.py", "--epochs", 1, "--save", ckpt)
-    resumed, _ = run_json(tmp_path, 2, "train_ddp.py", "--epochs", 2, "--resume", ckpt)
+    run_ok(2, "ch01_ddp/train_ddp.py", "--epochs", 1, "--save", ckpt)
+    resumed, _ = run_json(tmp_path, 2, "ch01_ddp/train_ddp.py", "--epochs", 2, "--resume", ckpt)
     assert resumed["losses"] == full["losses"]
 
 
@@ -94,7 +94,7 @@ def test_set_epoch_changes_the_order():
 
 
 def test_ddp_memory_matches_16_bytes_per_param(tmp_path):
-    res, _ = run_json(tmp_path, 2, "ddp_memory.py")
+    res, _ = run_json(tmp_path, 2, "ch01_ddp/ddp_memory.py")
     n = res["num_params"]
     for rank in range(2):  # every rank holds everything
         assert res["params"][rank] == 4 * n and res["grads"][rank] == 4 * n
@@ -102,7 +102,7 @@ def test_ddp_memory_matches_16_bytes_per_param(tmp_path):
 
 
 def test_batchnorm_uses_local_statistics(tmp_path):
-    res, out = run_json(tmp_path, 2, "batchnorm_ddp.py")
+    res, out = run_json(tmp_path, 2, "ch01_ddp/batchnorm_ddp.py")
     assert min(res["local_gap"]) > 0.1 and min(res["running_gap"]) > 0.01
     assert max(res["synced_gap"]) < 1e-5
     if not torch.cuda.is_available():
@@ -110,31 +110,31 @@ def test_batchnorm_uses_local_statistics(tmp_path):
 
 
 def test_join_handles_uneven_inputs():
-    out = run_ok(2, "uneven_join.py").stdout
+    out = run_ok(2, "ch01_ddp/uneven_join.py").stdout
     assert "[rank 0] ran 3 steps" in out and "[rank 1] ran 5 steps" in out
 
 
 def test_without_join_uneven_inputs_fail_not_hang():
-    proc = run_launcher(2, "uneven_join.py", "--no-join", env={"COURSE_TIMEOUT_S": "5"},
+    proc = run_launcher(2, "ch01_ddp/uneven_join.py", "--no-join", env={"COURSE_TIMEOUT_S": "5"},
                         timeout=120)
     assert proc.returncode != 0 and "all ranks finished" not in proc.stdout
     assert "[rank1]: RuntimeError" in proc.stdout + proc.stderr  # rank 1's extra step timed out
 
 
 @pytest.mark.parametrize("script, args, message", [
-    ("train_single.py", ["--batch-size", "0"], "--batch-size"),
-    ("train_ddp.py", ["--accum", "0"], "--accum >= 1"),
-    ("ddp_memory.py", ["--hidden", "6"], "multiple of 4"),
-    ("batchnorm_ddp.py", ["--batch-size", "1"], "at least 2"),
-    ("solutions/ex01_manual_ddp.py", ["--batch-size", "0"], "must be positive"),
+    ("ch01_ddp/train_single.py", ["--batch-size", "0"], "--batch-size"),
+    ("ch01_ddp/train_ddp.py", ["--accum", "0"], "--accum >= 1"),
+    ("ch01_ddp/ddp_memory.py", ["--hidden", "6"], "multiple of 4"),
+    ("ch01_ddp/batchnorm_ddp.py", ["--batch-size", "1"], "at least 2"),
+    ("ch01_ddp/solutions/ex01_manual_ddp.py", ["--batch-size", "0"], "must be positive"),
 ])
 def test_bad_input(script, args, message):
-    proc = run_launcher(1 if script == "train_single.py" else 2, script, *args, timeout=60)
+    proc = run_launcher(1 if script == "ch01_ddp/train_single.py" else 2, script, *args, timeout=60)
     assert proc.returncode != 0 and message in proc.stderr
 
 
 @pytest.mark.parametrize("flat", [False, True], ids=["per-tensor", "flat"])
 def test_solution_manual_ddp(tmp_path, single, flat):
-    res, _ = run_json(tmp_path, 2, "solutions/ex01_manual_ddp.py", *(["--flat"] if flat else []))
+    res, _ = run_json(tmp_path, 2, "ch01_ddp/solutions/ex01_manual_ddp.py", *(["--flat"] if flat else []))
     assert max(abs(a - b) for a, b in zip(res["losses"], single[0])) < LOSS_TOL
     assert res["calls_per_step"] == (1 if flat else 21)

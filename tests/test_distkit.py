@@ -79,15 +79,15 @@ def test_diff_shows_added_lines(tmp_path):
 
 
 def test_source_of_finds_a_function():
-    src = source_of("ring_allreduce.py", "ring_all_reduce")
+    src = source_of("ch00_collectives/ring_allreduce.py", "ring_all_reduce")
     assert src.startswith("def ring_all_reduce(") and "batch_isend_irecv" in src
     with pytest.raises(LookupError):
-        source_of("ring_allreduce.py", "no_such_function")
+        source_of("ch00_collectives/ring_allreduce.py", "no_such_function")
 
 
 def test_launch_raises_when_the_launch_fails(capsys):
     with pytest.raises(subprocess.CalledProcessError):
-        launch(2, "collectives.py", "--op", "nope")
+        launch(2, "ch00_collectives/collectives.py", "--op", "nope")
     assert "unknown --op nope" in capsys.readouterr().out  # stderr is merged and shown
 
 
@@ -107,10 +107,10 @@ def test_run_course_reports_pass_and_fail(tmp_path):
 
 
 def test_launch_expect_failure_shows_rank_errors(capsys):
-    launch(2, "collectives.py", "--op", "broadcast", env={"COURSE_DEVICE": "tpu"},
+    launch(2, "ch00_collectives/collectives.py", "--op", "broadcast", env={"COURSE_DEVICE": "tpu"},
            expect_failure=True)
     out = capsys.readouterr().out
     assert "ValueError: COURSE_DEVICE must be 'cpu' or 'cuda', got 'tpu'" in out
     assert out.rstrip().endswith("as expected")
     with pytest.raises(AssertionError, match="expected hello_torchrun.py to fail"):
-        launch(2, "hello_torchrun.py", expect_failure=True)
+        launch(2, "ch00_collectives/hello_torchrun.py", expect_failure=True)

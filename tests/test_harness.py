@@ -56,11 +56,11 @@ SETUP = f"import sys; sys.path.insert(0, {str(ROOT / 'code')!r})\nfrom distkit.n
 
 
 def test_nbval_passes_a_cell_whose_launch_succeeds(tmp_path):
-    proc = _nbval(tmp_path, SETUP + "launch(2, 'hello_torchrun.py')")
+    proc = _nbval(tmp_path, SETUP + "launch(2, 'ch00_collectives/hello_torchrun.py')")
     assert proc.returncode == 0, proc.stdout
 
 
 def test_nbval_fails_a_cell_whose_launch_fails(tmp_path):
-    proc = _nbval(tmp_path, SETUP + "launch(2, 'collectives.py', '--op', 'nope')")
+    proc = _nbval(tmp_path, SETUP + "launch(2, 'ch00_collectives/collectives.py', '--op', 'nope')")
     assert proc.returncode == 1, proc.stdout
     assert "CalledProcessError" in proc.stdout and "1 failed" in proc.stdout

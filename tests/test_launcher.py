@@ -9,9 +9,9 @@ from conftest import LAUNCHER, free_port, launcher_env, run_launcher, run_ok
 @pytest.mark.parametrize("args, reason", [
     ([], "expected NPROC and SCRIPT"),
     (["2"], "expected NPROC and SCRIPT"),
-    (["0", "hello_torchrun.py"], "NPROC must be a positive integer, got '0'"),
-    (["abc", "hello_torchrun.py"], "NPROC must be a positive integer, got 'abc'"),
-    (["-1", "hello_torchrun.py"], "NPROC must be a positive integer"),
+    (["0", "ch00_collectives/hello_torchrun.py"], "NPROC must be a positive integer, got '0'"),
+    (["abc", "ch00_collectives/hello_torchrun.py"], "NPROC must be a positive integer, got 'abc'"),
+    (["-1", "ch00_collectives/hello_torchrun.py"], "NPROC must be a positive integer"),
     (["2", "no_such_script.py"], "no such script"),
 ])
 def test_bad_input_one_line_and_nonzero(args, reason):
@@ -24,7 +24,7 @@ def test_bad_input_one_line_and_nonzero(args, reason):
 
 
 def test_bad_multinode_env():
-    proc = run_launcher(2, "hello_torchrun.py", env={"NNODES": "2"}, timeout=10)
+    proc = run_launcher(2, "ch00_collectives/hello_torchrun.py", env={"NNODES": "2"}, timeout=10)
     assert proc.returncode == 2 and "RDZV_ENDPOINT" in proc.stderr
 
 
@@ -39,7 +39,7 @@ def test_keeps_omp_num_threads_when_set(rank_script):
 
 
 def test_failure_passes_through():
-    proc = run_launcher(2, "collectives.py", "--op", "nope")
+    proc = run_launcher(2, "ch00_collectives/collectives.py", "--op", "nope")
     assert proc.returncode != 0
     assert "unknown --op nope" in proc.stderr
 
@@ -60,10 +60,10 @@ def test_log_dir_keeps_per_rank_logs(rank_script, tmp_path):
 def test_two_nodes_through_c10d_rendezvous():
     """Two launcher invocations on one machine act as two nodes of one 4-rank process group."""
     env = {"NNODES": "2", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}", "RDZV_ID": "test"}
-    node_a = subprocess.Popen([str(LAUNCHER), "2", "hello_torchrun.py"], text=True,
+    node_a = subprocess.Popen([str(LAUNCHER), "2", "ch00_collectives/hello_torchrun.py"], text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env=launcher_env(env))
-    node_b = run_launcher(2, "hello_torchrun.py", env=env)
+    node_b = run_launcher(2, "ch00_collectives/hello_torchrun.py", env=env)
     out_a, err_a = node_a.communicate(timeout=120)
     assert node_a.returncode == 0 and node_b.returncode == 0, err_a + node_b.stderr
     out = out_a + node_b.stdout  # rank 0, on either node, prints every rank's line

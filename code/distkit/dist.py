@@ -15,6 +15,7 @@ import torch.distributed as dist
 # Short enough that a mismatched collective fails within a minute instead of hanging for the
 # default 10 (gloo) or 30 (NCCL) minutes; long enough for slow CPU steps. Override per run.
 DEFAULT_TIMEOUT_S = 60
+CODE = Path(__file__).resolve().parent.parent  # the course's code/ folder
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,10 @@ def pick_device(local_rank: int = 0) -> tuple[torch.device, str]:
 def setup(timeout_s: float | None = None) -> DistEnv:
     """Join the process group that torchrun described in our environment variables."""
     if "RANK" not in os.environ:
-        sys.exit(f"{Path(sys.argv[0]).name}: not started by torchrun; "
-                 f"run it as: code/run_w_torchrun.sh NPROC {Path(sys.argv[0]).name} ...")
+        script = Path(sys.argv[0]).resolve()
+        where = script.relative_to(CODE) if script.is_relative_to(CODE) else script
+        sys.exit(f"{script.name}: not started by torchrun; "
+                 f"run it as: code/run_w_torchrun.sh NPROC {where} ...")
     local_rank = int(os.environ["LOCAL_RANK"])
     device, backend = pick_device(local_rank)
     if device.type == "cuda":

@@ -1,6 +1,6 @@
 """Exercise 00.1 solution: all-reduce through rank 0 (a "parameter server"), bytes counted.
 
-    code/run_w_torchrun.sh 4 solutions/ex00_naive_allreduce.py
+    code/run_w_torchrun.sh 4 ch00_collectives/solutions/ex00_naive_allreduce.py
 
 Everyone sends its tensor to rank 0, rank 0 sums and sends the result back. Correct, but rank 0's
 link carries (N-1)*S in and (N-1)*S out, growing with N, while in a ring every rank sends

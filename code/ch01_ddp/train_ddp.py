@@ -1,6 +1,6 @@
 """Chapter 01's "after": train_single.py made data-parallel with DDP. New lines say # NEW.
 
-    code/run_w_torchrun.sh 2 train_ddp.py --batch-size 8 --json /tmp/ddp.json
+    code/run_w_torchrun.sh 2 ch01_ddp/train_ddp.py --batch-size 8 --json /tmp/ddp.json
 
 With N processes and --batch-size b per process (and --accum K micro-batches per step), every
 step sees the same N*K*b sequences as train_single.py --batch-size N*K*b, so the losses and the

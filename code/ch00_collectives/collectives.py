@@ -1,7 +1,7 @@
 """Every collective, run for real: each rank's tensor before and after, printed in rank order.
 
-    code/run_w_torchrun.sh 2 collectives.py --op all_reduce,all_gather
-    code/run_w_torchrun.sh 4 collectives.py --op all --json /tmp/collectives.json
+    code/run_w_torchrun.sh 2 ch00_collectives/collectives.py --op all_reduce,all_gather
+    code/run_w_torchrun.sh 4 ch00_collectives/collectives.py --op all --json /tmp/collectives.json
 
 Rank r starts with x = [10r, 10r+1, ..., 10r+N-1] (N = world size), so every number says where
 it came from: its tens digit is the rank that owned it, its last digit its position.
@@ -100,7 +100,7 @@ if unknown:
 
 env = setup()
 if env.world_size < 2:
-    raise SystemExit("collectives.py: needs at least 2 processes (NPROC >= 2)")
+    raise SystemExit("ch00_collectives/collectives.py: needs at least 2 processes (NPROC >= 2)")
 results = {}
 for op in ops:
     x = start(env.rank, env.world_size).to(env.device)

@@ -1,6 +1,6 @@
 """Time dist.all_reduce over message sizes: latency at small sizes, bandwidth at large ones.
 
-    code/run_w_torchrun.sh 2 allreduce_bench.py --max-mb 16 --json /tmp/bench.json
+    code/run_w_torchrun.sh 2 ch00_collectives/allreduce_bench.py --max-mb 16 --json /tmp/bench.json
 
 Prints, per size, the median time and the "bus bandwidth" busbw = 2(N-1)/N * S / t: the bytes
 each rank actually pushed through its link per second (the figure nccl-tests report). On CPU +

@@ -1,8 +1,8 @@
 """Uneven inputs: rank r has 3 + 2r batches. DDP's Join lets the ranks that finish early keep
 answering the others' all-reduces (with zeros), so nobody waits forever.
 
-    code/run_w_torchrun.sh 2 uneven_join.py            # with Join: finishes
-    code/run_w_torchrun.sh 2 uneven_join.py --no-join  # without: fails (or hangs until timeout)
+    code/run_w_torchrun.sh 2 ch01_ddp/uneven_join.py            # with Join: finishes
+    code/run_w_torchrun.sh 2 ch01_ddp/uneven_join.py --no-join  # without: fails (or hangs until timeout)
 """
 import argparse
 from contextlib import nullcontext

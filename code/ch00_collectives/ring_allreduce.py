@@ -1,6 +1,6 @@
 """A ring all-reduce written by hand from send/recv, counting every byte it sends.
 
-    code/run_w_torchrun.sh 2 ring_allreduce.py --numel 1048576
+    code/run_w_torchrun.sh 2 ch00_collectives/ring_allreduce.py --numel 1048576
 
 The tensor is cut into N chunks. Reduce-scatter: in N-1 steps each rank passes one chunk to its
 right neighbour and adds the chunk arriving from its left, until rank r owns the full sum of

@@ -1,6 +1,6 @@
 """BatchNorm under DDP normalises with each rank's own batch, not the global one.
 
-    code/run_w_torchrun.sh 2 batchnorm_ddp.py
+    code/run_w_torchrun.sh 2 ch01_ddp/batchnorm_ddp.py
 
 Every rank can compute the single-process reference itself (the data are generated), so the
 script compares, on every rank: the batch statistics BatchNorm used, the running mean it keeps,

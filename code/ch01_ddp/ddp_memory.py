@@ -1,6 +1,6 @@
 """Memory per rank under DDP, by category, from torch's MemTracker, against 4 + 4 + 8 bytes/param.
 
-    code/run_w_torchrun.sh 2 ddp_memory.py
+    code/run_w_torchrun.sh 2 ch01_ddp/ddp_memory.py
 
 Every DDP rank holds the full model: fp32 parameters (4 bytes each), fp32 gradients (4) and
 AdamW's two moments (8): 16 bytes per parameter on every rank, however many ranks there are.

@@ -1,6 +1,6 @@
 """Exercise 00.2 solution: the exact mean over all ranks when ranks hold different amounts.
 
-    code/run_w_torchrun.sh 2 solutions/ex00_global_mean.py
+    code/run_w_torchrun.sh 2 ch00_collectives/solutions/ex00_global_mean.py
 
 Rank r holds 3 + 2r per-sample losses. Averaging the per-rank means (all_reduce of the mean,
 divided by N) weighs a small rank's samples more; one all_reduce of [sum, count] is exact.

@@ -1,6 +1,6 @@
 """Chapter 01's "before": one process trains a tiny Llama on counting sequences.
 
-    code/run_w_torchrun.sh 1 train_single.py --batch-size 16 --json /tmp/single.json
+    code/run_w_torchrun.sh 1 ch01_ddp/train_single.py --batch-size 16 --json /tmp/single.json
 
 A real causal LM (transformers' LlamaForCausalLM, built from a config) with its real loss:
 cross-entropy of every next token. train_ddp.py is this script plus the lines DDP needs.

@@ -1,7 +1,7 @@
 """Exercise 01 solution: data parallelism without the DDP wrapper, from chapter 00's collectives.
 
-    code/run_w_torchrun.sh 2 solutions/ex01_manual_ddp.py          # one all_reduce per tensor
-    code/run_w_torchrun.sh 2 solutions/ex01_manual_ddp.py --flat   # one per step (a bucket)
+    code/run_w_torchrun.sh 2 ch01_ddp/solutions/ex01_manual_ddp.py          # one all_reduce per tensor
+    code/run_w_torchrun.sh 2 ch01_ddp/solutions/ex01_manual_ddp.py --flat   # one per step (a bucket)
 
 Same weights everywhere (broadcast), then after every backward the average gradient
 (all_reduce, divide by N). It matches train_single.py --batch-size N*b.

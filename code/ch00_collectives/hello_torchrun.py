@@ -1,6 +1,6 @@
 """What torchrun starts: NPROC copies of this script, told apart only by environment variables.
 
-    code/run_w_torchrun.sh 2 hello_torchrun.py
+    code/run_w_torchrun.sh 2 ch00_collectives/hello_torchrun.py
 """
 import argparse
 import os
@@ -14,7 +14,7 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.parse_args()
 if "RANK" not in os.environ:
     raise SystemExit("hello_torchrun.py: not started by torchrun; "
-                     "run it as: code/run_w_torchrun.sh 2 hello_torchrun.py")
+                     "run it as: code/run_w_torchrun.sh 2 ch00_collectives/hello_torchrun.py")
 
 # 1. torchrun put these in every process's environment before starting it.
 names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
