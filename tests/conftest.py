@@ -16,6 +16,21 @@ sys.path.insert(0, str(CODE))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Green on every machine. Notebooks are recorded with this CPU's native kernels (AVX2 or
+# AVX-512); the tests run them, and every script, as a different CPU would: ATen's scalar
+# kernels and MKL's SSE4.2 code path. Float noise that leaks into a compared output (a last digit
+# that depends on vector width) then fails here, as it would on a learner's machine or a fork's
+# CI, instead of passing only where it was recorded. See README, "Adding a compared cell".
+PORTABILITY_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
+os.environ.update(PORTABILITY_ENV)
+# The stored outputs are a CPU/gloo recording: check them on the CPU even where a GPU exists.
+os.environ["COURSE_DEVICE"] = "cpu"
+
+
+def pytest_report_header(config):
+    return ("portability check: notebooks and scripts run with "
+            + " ".join(f"{k}={v}" for k, v in PORTABILITY_ENV.items()) + " COURSE_DEVICE=cpu")
+
 
 def launcher_env(env=None) -> dict:
     """This environment, with this test run's Python for the launcher; None values unset."""

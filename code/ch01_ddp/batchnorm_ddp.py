@@ -1,11 +1,16 @@
-"""BatchNorm under DDP normalises with each rank's own batch, not the global one.
+"""BatchNorm under DDP: each rank normalises with its own batch, and DDP overwrites every rank's
+running statistics with rank 0's at the start of each forward.
 
     code/run_w_torchrun.sh 2 ch01_ddp/batchnorm_ddp.py
 
 Every rank can compute the single-process reference itself (the data are generated), so the
-script compares, on every rank: the batch statistics BatchNorm used, the running mean it keeps,
-and the global statistics that one all_reduce of [sum, sum of squares, count] gives: exactly
-what nn.SyncBatchNorm computes. SyncBatchNorm itself runs under DDP only on CUDA.
+script compares, on every rank:
+1. the batch statistics BatchNorm used against those of the global batch;
+2. the global statistics computed the way nn.SyncBatchNorm does: all_gather each rank's
+   [mean, variance, count] (counts may differ between ranks, so an all_reduce of means would be
+   wrong) and combine them; nn.SyncBatchNorm itself refuses CPU tensors in its own forward;
+3. DDP's buffer sync (forward_sync_buffers, formerly broadcast_buffers, on by default): at the
+   start of every forward rank 0's buffers (here BatchNorm's running_mean) are broadcast.
 """
 import argparse
 
@@ -16,19 +21,22 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import print0, print_ranks, seed_everything, setup, teardown, write_json
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--batch-size", type=int, default=8, help="samples per rank")
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--batch-size", type=int, default=8,
+                    help="samples on rank 0; rank r has batch-size + 2r (uneven on purpose)")
 parser.add_argument("--json", help="write the differences here (rank 0)")
 args = parser.parse_args()
 if args.batch_size < 2:
     parser.error("--batch-size must be at least 2 (BatchNorm needs a batch)")
 
 env = setup()
-n, b = env.world_size, args.batch_size
+n = env.world_size
+sizes = [args.batch_size + 2 * r for r in range(n)]
 g = torch.Generator().manual_seed(0)
-# Ranks get differently distributed data, as with any non-iid shard: rank r's mean is about r.
-x_all = torch.cat([torch.randn(b, 4, generator=g) + r for r in range(n)])
-x = x_all[env.rank * b:(env.rank + 1) * b].to(env.device)
+# Non-iid shards, as often in practice: rank r's features are shifted by about r.
+shards = [torch.randn(b, 4, generator=g) + r for r, b in enumerate(sizes)]
+x = shards[env.rank].to(env.device)
+x_all = torch.cat(shards)
 
 
 def make_model():
@@ -36,39 +44,57 @@ def make_model():
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
 
 
-reference = make_model()
-reference(x_all)  # one process, the whole global batch: the statistics we want
-ref_mean = reference[1].running_mean.clone()
-ref_batch_mean = reference[0](x_all).mean(0)
+reference = make_model()  # one process, the whole global batch: the statistics we want
+h_all = reference[0](x_all).detach()
+ref_mean, ref_var = h_all.mean(0), h_all.var(0, unbiased=False)
 
 model = DDP(make_model().to(env.device))
-h = model.module[0](x)  # what BatchNorm sees on this rank
-model(x)
-local_gap = (h.mean(0).cpu() - ref_batch_mean).abs().max().item()
-running_gap = (model.module[1].running_mean.cpu() - ref_mean).abs().max().item()
+h = model.module[0](x).detach()  # what BatchNorm sees on this rank
+local_gap = (h.mean(0).cpu() - ref_mean).abs().max().item()
 
-# The fix, by hand: one all_reduce of [sum, sum of squares, count] gives global statistics.
-stats = torch.cat([h.sum(0), (h * h).sum(0), torch.tensor([float(b)], device=env.device)])
-dist.all_reduce(stats)
-global_mean = stats[:8] / stats[-1]
-synced_gap = (global_mean.detach().cpu() - ref_batch_mean).abs().max().item()
+# 2. What nn.SyncBatchNorm computes, by hand: gather [mean, var, count] from every rank.
+mine = torch.cat([h.mean(0), h.var(0, unbiased=False), torch.tensor([float(len(h))],
+                                                                    device=env.device)])
+gathered = [torch.empty_like(mine) for _ in range(n)]
+dist.all_gather(gathered, mine)
+stats = torch.stack(gathered).cpu()
+mean_r, var_r, count_r = stats[:, :8], stats[:, 8:16], stats[:, 16:]
+global_mean = (count_r * mean_r).sum(0) / count_r.sum()
+# total variance = mean of the variances + variance of the means (both weighted by count)
+global_var = (count_r * (var_r + (mean_r - global_mean) ** 2)).sum(0) / count_r.sum()
+synced_gap = max((global_mean - ref_mean).abs().max().item(),
+                 (global_var - ref_var).abs().max().item())
+print_ranks(f"{len(h)} samples: batch mean BatchNorm used vs global batch: max |diff| = "
+            f"{local_gap:.2f}; gathered [mean, var, count] vs global: < 1e-5: {synced_gap < 1e-5}")
 
-print_ranks(f"batch mean used by BatchNorm vs global: max |diff| = {local_gap:.3f}; "
-            f"running_mean vs single process: {running_gap:.3f}; "
-            f"all-reduced mean vs global: {synced_gap:.1e}")
+try:  # the real layer
+    nn.SyncBatchNorm(8).to(env.device)(h)
+    print0("nn.SyncBatchNorm ran on", env.device)
+except ValueError as e:
+    print0(f"nn.SyncBatchNorm on {env.device.type}: ValueError: {e}")
 
-if env.device.type == "cuda":  # the real thing
-    synced = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(make_model()).to(env.device),
-                 device_ids=[env.device.index])
-    synced(x)
-    sync_gap = (synced.module[1].running_mean.cpu() - ref_mean).abs().max().item()
-    print0(f"nn.SyncBatchNorm running_mean vs single process: max |diff| = {sync_gap:.1e}")
-else:
-    sync_gap = None
-    print0("nn.SyncBatchNorm under DDP needs CUDA (on CPU DDP raises 'SyncBatchNorm layers "
-           "only work with GPU modules'): skipped here; the all_reduce above is what it computes.")
-gaps = [None] * n
-dist.all_gather_object(gaps, (local_gap, running_gap, synced_gap))
-write_json(args.json, {"local_gap": [a for a, _, _ in gaps], "running_gap": [r for _, r, _ in gaps],
-                       "synced_gap": [s for _, _, s in gaps], "sync_batchnorm_gap": sync_gap})
+
+# 3. DDP's buffer sync: at the start of forward 2, is this rank's running_mean rank 0's?
+def running_mean_at_forward_2(sync: bool) -> bool:
+    ddp = DDP(make_model().to(env.device), forward_sync_buffers=sync)
+    ddp(x)  # forward 1: each rank updates running_mean from its own batch
+    rank0_after_1 = ddp.module[1].running_mean.clone()
+    dist.broadcast(rank0_after_1, src=0)  # rank 0's values, on every rank
+    seen = []
+    hook = ddp.module[1].register_forward_pre_hook(
+        lambda mod, inp: seen.append(mod.running_mean.clone()))
+    ddp(x)  # forward 2: DDP syncs buffers first (if asked), then BatchNorm runs
+    hook.remove()
+    return torch.equal(seen[0], rank0_after_1)
+
+
+synced = {sync: running_mean_at_forward_2(sync) for sync in (True, False)}
+print_ranks(f"at forward 2 running_mean == rank 0's: {synced[True]} with "
+            f"forward_sync_buffers=True (default), {synced[False]} with False")
+
+every = [None] * n
+dist.all_gather_object(every, (local_gap, synced_gap, synced))
+write_json(args.json, {"sizes": sizes, "local_gap": [a for a, _, _ in every],
+                       "synced_gap": [s for _, s, _ in every],
+                       "rank0_buffers": [{str(k): v for k, v in b.items()} for _, _, b in every]})
 teardown()

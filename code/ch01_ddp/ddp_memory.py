@@ -1,22 +1,29 @@
-"""Memory per rank under DDP, by category, from torch's MemTracker, against 4 + 4 + 8 bytes/param.
+"""Memory per rank under DDP, by category, from torch's MemTracker, against 4 + 4 + 8 bytes/param,
+plus DDP's own gradient buckets, with gradient_as_bucket_view off (default) and on.
 
-    code/run_w_torchrun.sh 2 ch01_ddp/ddp_memory.py
+    code/run_w_torchrun.sh 2 ch01_ddp/ddp_memory.py --batch-size 8
 
 Every DDP rank holds the full model: fp32 parameters (4 bytes each), fp32 gradients (4) and
 AdamW's two moments (8): 16 bytes per parameter on every rank, however many ranks there are.
-That redundancy is what ZeRO and FSDP remove (chapters 03 and 04).
+DDP also all-reduces gradients through flat bucket buffers. By default they are a second copy of
+the gradients (+4 bytes/param); with gradient_as_bucket_view=True the gradients *are* views into
+the buckets. MemTracker does not see the buckets (DDP's C++ reducer allocates them at
+construction), so gradients and buckets are measured here by storage: the bytes of the distinct
+storages that hold a gradient or a bucket.
+What shrinks with more ranks at a fixed global batch is the activations (--batch-size per rank).
 """
 import argparse
 
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import print0, print_ranks, seed_everything, setup, teardown, write_json
 from distkit.toy import counting_data, tiny_llama
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--hidden", type=int, default=64, help="model width")
 parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
 parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
@@ -25,35 +32,60 @@ args = parser.parse_args()
 if args.hidden < 4 or args.hidden % 4 or args.layers < 1 or args.batch_size < 1:
     parser.error("need --hidden a multiple of 4, --layers >= 1 and --batch-size >= 1")
 
+
+def storage(t: torch.Tensor) -> tuple[int, int]:
+    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+
+def measure(as_view: bool) -> dict:
+    """One training step of a fresh DDP model inside MemTracker; returns bytes per category."""
+    seed_everything(0)
+    model = DDP(tiny_llama(hidden=args.hidden, layers=args.layers).to(env.device),
+                gradient_as_bucket_view=as_view,
+                device_ids=[env.device.index] if env.device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    buckets = {}
+
+    def record_buckets(state, bucket):  # DDP's default all-reduce, noting each bucket's storage
+        buckets.update([storage(bucket.buffer())])
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, record_buckets)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:  # the optimizer creates its state on the first step
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        now = tracker.get_tracker_snapshot("current")[env.device]
+    peak = tracker.get_tracker_snapshot("peak")[env.device]
+    # snapshot keys are categories (an enum whose values read "Parameter", "Gradient", ...)
+    now = {getattr(k, "value", k): v for k, v in now.items()}
+    peak = {getattr(k, "value", k): v for k, v in peak.items()}
+    grad_storages = dict(storage(p.grad) for p in model.parameters())
+    return {"params": now["Parameter"], "optimizer": now["Optstate"],
+            # distinct storages holding gradients or buckets: with views they are the same ones
+            "grads_and_buckets": sum({**grad_storages, **buckets}.values()),
+            "grads_tracked": now["Gradient"], "peak_activations": peak["Activation"],
+            "num_tensors": len(list(model.parameters()))}
+
+
 env = setup()
-seed_everything(0)
-model = DDP(tiny_llama(hidden=args.hidden, layers=args.layers).to(env.device),
-            device_ids=[env.device.index] if env.device.type == "cuda" else None)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 (tokens,) = counting_data(args.batch_size)[:]
 tokens = tokens.to(env.device)
-n_params = sum(p.numel() for p in model.parameters())
+n_params = sum(p.numel() for p in tiny_llama(hidden=args.hidden, layers=args.layers).parameters())
+results = {view: measure(view) for view in (False, True)}
 
-tracker = MemTracker()
-tracker.track_external(model, optimizer)
-with tracker:  # one full step; the optimizer creates its state on the first step
-    model(input_ids=tokens, labels=tokens).loss.backward()
-    optimizer.step()
-    after_step = tracker.get_tracker_snapshot("current")[env.device]
-peak = tracker.get_tracker_snapshot("peak")[env.device]
-# snapshot keys are categories (an enum whose values read "Parameter", "Gradient", ...)
-after_step = {getattr(k, "value", k): v for k, v in after_step.items()}
-peak = {getattr(k, "value", k): v for k, v in peak.items()}
-
-measured = {"params": after_step["Parameter"], "grads": after_step["Gradient"],
-            "optimizer": after_step["Optstate"], "peak_activations": peak["Activation"]}
-print0(f"{n_params:,} parameters; formula: params 4, grads 4, AdamW 8 bytes each = 16")
-print_ranks("  ".join(f"{name} {measured[name] / n_params:.3f}"
-                      for name in ("params", "grads", "optimizer"))
-            + f"  B/param; peak activations {measured['peak_activations']:,} B")
+print0(f"{n_params:,} parameters, {args.batch_size} sequences per rank; "
+       f"formula: params 4 + grads 4 + AdamW 8 = 16 bytes/param")
+for view, m in results.items():
+    print0(f"gradient_as_bucket_view={view}:")
+    print_ranks("  ".join(f"{name} {m[name] / n_params:.3f}" for name in
+                          ("params", "optimizer", "grads_and_buckets"))
+                + f"  B/param; peak activations {m['peak_activations']:,} B")
 every_rank = [None] * env.world_size
-dist.all_gather_object(every_rank, measured)
+dist.all_gather_object(every_rank, results)
 write_json(args.json, {"world_size": env.world_size, "num_params": n_params,
-                       "num_tensors": len(list(model.parameters())),
-                       **{k: [m[k] for m in every_rank] for k in measured}})
+                       "batch_size": args.batch_size,
+                       "settings": {str(view): {k: [r[view][k] for r in every_rank] for k in m}
+                                    for view, m in results.items()}})
 teardown()

@@ -2,8 +2,8 @@
 
     code/run_w_torchrun.sh 1 ch01_ddp/train_single.py --batch-size 16 --json /tmp/single.json
 
-A real causal LM (transformers' LlamaForCausalLM, built from a config) with its real loss:
-cross-entropy of every next token. train_ddp.py is this script plus the lines DDP needs.
+A real causal LM (transformers' LlamaForCausalLM, built from a config) with its real loss,
+the cross-entropy of every next token. train_ddp.py is this script plus the lines DDP needs.
 """
 import argparse
 
@@ -13,14 +13,14 @@ from torch.utils.data import DataLoader, RandomSampler
 from distkit import seed_everything, write_json
 from distkit.toy import counting_data, tiny_llama
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--batch-size", type=int, default=16, help="sequences per step")
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--json", help="write per-step losses here")
-parser.add_argument("--save", help="write the final weights here")
+parser.add_argument("--save", help="write a checkpoint here at the end")
 args = parser.parse_args()
 if args.batch_size < 1 or args.samples < args.batch_size:
     parser.error("need 1 <= --batch-size <= --samples")
@@ -42,8 +42,10 @@ for epoch in range(args.epochs):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    print(f"epoch {epoch}  step {len(losses):3d}  loss {losses[-1]:.4f}")
+    # 3 decimals: further digits differ in the last float bits between CPUs and world sizes
+    print(f"epoch {epoch}  step {len(losses):3d}  loss {losses[-1]:.3f}")
 
 write_json(args.json, {"losses": losses})
 if args.save:
-    torch.save(model.state_dict(), args.save)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "epoch": args.epochs, "losses": losses}, args.save)

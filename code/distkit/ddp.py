@@ -41,7 +41,11 @@ class CommLog:
     def _backward_started(self, grad):
         self.backwards.append([self._now(), None])
         end = self.backwards[-1]
-        # runs once the whole backward pass (and DDP's own finalisation) is done
+        # Autograd runs queued callbacks in order once backward's computation is done. Ours is
+        # queued now, before the one DDP's reducer queues when its last bucket is ready
+        # (finalize_backward, which waits for every bucket's all-reduce: reducer.cpp,
+        # Reducer::mark_variable_ready). So `end` marks the end of backward's *computation*;
+        # communication still running then is time loss.backward() spends waiting.
         torch.autograd.Variable._execution_engine.queue_callback(
             lambda: end.__setitem__(1, self._now()))
 
@@ -59,7 +63,31 @@ class CommLog:
         return default_hooks.allreduce_hook(None, bucket).then(finished)
 
     def summary(self, ddp_model) -> dict:
+        """Gradient bytes, every backward's [start, end] and every all-reduce, as JSON-able data."""
         grads = [p for p in ddp_model.parameters() if p.requires_grad]
         return {"grad_bytes": sum(p.numel() * p.element_size() for p in grads),
                 "num_params": sum(p.numel() for p in grads),
                 "backwards": self.backwards, "calls": self.calls}
+
+
+def overlap(summary: dict, backward: int) -> dict:
+    """How much of one backward's communication hid under its computation (seconds).
+
+    comm: time during which at least one all-reduce was in flight (the union of the calls'
+    intervals); hidden: the part of it before backward's computation ended; exposed: from
+    then until the last all-reduce finished, which loss.backward() spends waiting.
+    """
+    start, end = summary["backwards"][backward]
+    spans = sorted((c["start"], c["end"]) for c in summary["calls"] if c["backward"] == backward)
+    comm = hidden = 0.0
+    cur_a, cur_b = spans[0]
+    for a, b in spans[1:] + [(float("inf"), float("inf"))]:
+        if a > cur_b:  # a gap: close the current busy interval
+            comm += cur_b - cur_a
+            hidden += max(0.0, min(cur_b, end) - cur_a)
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    exposed = max(0.0, max(b for _, b in spans) - end)
+    return {"backward": end - start, "comm": comm, "hidden": hidden, "exposed": exposed,
+            "calls": len(spans)}

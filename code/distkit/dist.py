@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# Short enough that a mismatched collective fails within a minute instead of hanging for the
-# default 10 (gloo) or 30 (NCCL) minutes; long enough for slow CPU steps. Override per run.
+# Short enough that a mismatched collective fails within a minute instead of hanging for torch's
+# defaults (30 minutes for gloo: torch.distributed.constants.default_pg_timeout; 10 minutes for
+# NCCL); long enough for slow CPU steps. Override per run with COURSE_TIMEOUT_S.
 DEFAULT_TIMEOUT_S = 60
 CODE = Path(__file__).resolve().parent.parent  # the course's code/ folder
 
@@ -35,7 +36,12 @@ def pick_device(local_rank: int = 0) -> tuple[torch.device, str]:
     if want == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("COURSE_DEVICE=cuda but torch sees no CUDA device")
     if want == "cuda" or (want == "" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+        if local_rank >= torch.cuda.device_count():
+            # two ranks on one GPU: NCCL refuses or hangs; better a clear error now
+            raise RuntimeError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} "
+                               "GPU(s): launch at most one process per GPU "
+                               "(or COURSE_DEVICE=cpu)")
+        return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
 
 
@@ -65,6 +71,9 @@ def teardown() -> None:
     The immediate exit: objects that still hold the process group (a DDP model, a memory
     tracker) are otherwise destroyed during interpreter shutdown, where gloo's threads can abort
     the same way (measured: 1 run in 40 of ddp_memory.py on 4 processes).
+    Beware when copying it: os._exit skips atexit handlers and unflushed buffers other than
+    stdout/stderr (open files, logging handlers, a profiler's trace). Close those first, or
+    call dist.barrier() and dist.destroy_process_group() yourself and return normally.
     """
     if dist.is_initialized():
         dist.barrier()

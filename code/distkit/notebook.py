@@ -11,7 +11,28 @@ import sys
 from pathlib import Path
 
 CODE = Path(__file__).resolve().parent.parent  # the course's code/ folder
+ROOT = CODE.parent
 LAUNCHER = CODE / "run_w_torchrun.sh"
+
+
+def require(*checks: tuple[bool, str]) -> None:
+    """Validate a notebook's parameters before anything is launched.
+
+    `require((NPROC >= 2, "NPROC must be at least 2"), ...)` raises one ValueError that lists
+    every failed check's message, so a learner reads what to change, not a traceback from deep
+    inside a run.
+    """
+    failed = [message for ok, message in checks if not ok]
+    if failed:
+        raise ValueError("bad parameters: " + "; ".join(failed))
+
+
+def _shown(arg) -> str:
+    """An argument as the learner should read it: paths inside the repo relative to its root."""
+    path = Path(arg) if isinstance(arg, os.PathLike) else None
+    if path is not None and path.is_absolute() and path.is_relative_to(ROOT):
+        return str(path.relative_to(ROOT))
+    return str(arg)
 
 
 def launch(nproc: int, script: str, *args, ranks: str | None = None,
@@ -25,7 +46,9 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     Returns nothing: the output is already on screen, and results come back as JSON files.
     """
     cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
-    print("$ code/run_w_torchrun.sh", shlex.join(cmd[1:]), flush=True)
+    # printed relative to the repo root, so the output reads the same on every machine
+    print("$ code/run_w_torchrun.sh", shlex.join([str(nproc), script, *map(_shown, args)]),
+          flush=True)
     run_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     if ranks is not None:
         run_env["RANKS"] = ranks
