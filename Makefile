@@ -8,12 +8,28 @@ export TRANSFORMERS_OFFLINE := 1
 export PYTHONPATH := $(CURDIR)/code
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup course test lab clean
+.PHONY: setup check-python course test lab images clean
 
 setup: $(VENV)/.installed
 
-# Rebuilt whenever the pins change.
+# The venv needs Python 3.10-3.12 (the course is tested with 3.11): checked before making it.
+define check_python
+v=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null); \
+case "$$v" in 3.10|3.11|3.12) ;; \
+  *) echo "make: the course needs Python 3.10-3.12 (tested: 3.11), but $(PYTHON) is" \
+          "$${v:+Python }$${v:-not found}; run e.g." \
+          "make PYTHON=python3.11 $(or $(MAKECMDGOALS),setup)" >&2; \
+     exit 1;; \
+esac
+endef
+
+check-python:
+	@$(check_python)
+
+# Rebuilt whenever the pins change. pip takes its settings from the environment too (e.g.
+# PIP_EXTRA_INDEX_URL: CI adds PyTorch's CPU wheel index, as torch from PyPI is a CUDA build).
 $(VENV)/.installed: requirements.txt
+	@test -x $(BIN)/python || { $(check_python); }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	touch $@
@@ -22,11 +38,20 @@ course: setup
 	$(BIN)/python -m distkit.run_course
 
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=25
+
+# JupyterLab refuses to start as root (the user in most containers) without --allow-root.
+ALLOW_ROOT = $(if $(filter 0,$(shell id -u)),--allow-root)
 
 lab: setup
-	$(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir notebooks
+	@[ -z "$(ALLOW_ROOT)" ] || echo "make lab: running as root (as in containers): adding --allow-root" >&2
+	$(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir notebooks $(ALLOW_ROOT)
+
+# The explanatory diagrams in images/ are drawn by code, so a diagram is fixed and redrawn.
+images: setup
+	$(BIN)/python -m distkit.diagrams
 
 clean:
 	rm -rf build .pytest_cache
-	find . -name __pycache__ -not -path './$(VENV)/*' -prune -exec rm -rf {} +
+	find . -path ./$(VENV) -prune -o \( -name __pycache__ -o -name .ipynb_checkpoints \) \
+	  -prune -exec rm -rf {} +

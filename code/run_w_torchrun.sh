@@ -4,12 +4,18 @@
 # Launch SCRIPT (a path relative to this code/ folder, or an absolute one) on NPROC processes
 # with torchrun, and exit with torchrun's status (non-zero when any rank fails).
 #
+# Every run keeps each rank's stdout/stderr and torchrun's own log in build/logs/<run>/ (run =
+# time-script-pid). When a rank fails, the ranks' errors show as usual and torchrun's 40-line
+# ChildFailedError traceback is replaced by two lines: which rank failed first, its error, and
+# where the logs are (distkit/torchrun.py does that; it takes torchrun's arguments).
+#
 # Single node (default): torchrun --standalone, which picks a free port, so two runs at
 # the same time never clash.
 #
 # Environment knobs:
 #   RANKS=0            show only these local ranks' output on the console (e.g. RANKS=0,1)
-#   LOG_DIR=DIR        also keep every rank's stdout/stderr in DIR/<run-id>/attempt_0/<rank>/
+#   LOG_DIR=DIR        keep the logs in DIR/<run>/ instead of build/logs/<run>/ (each rank's in
+#                      DIR/<run>/<torchrun's run id>/attempt_0/<local rank>/{stdout,stderr}.log)
 #   OMP_NUM_THREADS    left alone if set; else cores / NPROC (at least 1), so ranks don't
 #                      fight over the CPU
 #   PYTHON             the Python whose torch to use (default: python3 on PATH)
@@ -25,6 +31,7 @@ set -euo pipefail
 die() { echo "run_w_torchrun.sh: $* (usage: run_w_torchrun.sh NPROC SCRIPT [ARGS...])" >&2; exit 2; }
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(dirname "$here")"
 [[ $# -ge 2 ]] || die "expected NPROC and SCRIPT, got $# argument(s)"
 nproc="$1"; script="$2"; shift 2
 [[ "$nproc" =~ ^[1-9][0-9]*$ ]] || die "NPROC must be a positive integer, got '$nproc'"
@@ -48,8 +55,12 @@ else
   args+=(--standalone)
 fi
 [[ -z "${RANKS:-}" ]] || args+=(--local-ranks-filter "$RANKS")
-[[ -z "${LOG_DIR:-}" ]] || args+=(--log-dir "$LOG_DIR" --tee 3)
+# Logs in the repo's build/ rather than an empty torchelastic_* folder in the temp dir per run;
+# --tee 3: to the log files and to the console.
+run_dir="${LOG_DIR:-$root/build/logs}/$(date +%Y%m%d-%H%M%S)-$(basename "$script" .py)-$$"
+args+=(--log-dir "$run_dir" --tee 3)
 
-# `torchrun` is this module's command-line name; going through $PYTHON runs the torch of the
-# environment that called us (e.g. a notebook's kernel) even when its bin/ is not on PATH.
-exec "${PYTHON:-python3}" -m torch.distributed.run "${args[@]}" "$script" "$@"
+# distkit.torchrun is torchrun (python -m torch.distributed.run) with the short failure report;
+# going through $PYTHON runs the torch of the environment that called us (e.g. a notebook's
+# kernel) even when its bin/ is not on PATH.
+exec "${PYTHON:-python3}" -m distkit.torchrun "${args[@]}" "$script" "$@"

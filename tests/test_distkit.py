@@ -92,10 +92,16 @@ def test_launch_raises_when_the_launch_fails(capsys):
 
 
 def test_run_course_reports_pass_and_fail(tmp_path):
-    write_notebook(tmp_path / "01_ok.ipynb", "x = 1")
-    write_notebook(tmp_path / "02_bad.ipynb", "raise ValueError('boom')")
+    """Progress per code cell on stderr, parameters passed through, the kernel's own noise kept
+    out of the console, the table on stdout, exit status 1 when a notebook fails."""
+    import nbformat
+    ok = write_notebook(tmp_path / "01_ok.ipynb", "NPROC = 2", "assert NPROC == 4, NPROC")
+    nb = nbformat.read(ok, as_version=4)
+    nb.cells[0].metadata["tags"] = ["parameters"]
+    nbformat.write(nb, ok)
+    write_notebook(tmp_path / "02_bad.ipynb", "x = 1", "raise ValueError('boom')", "y = 2")
     proc = subprocess.run([sys.executable, "-m", "distkit.run_course", "--out",
-                           str(tmp_path / "build"), str(tmp_path / "01_ok.ipynb"),
+                           str(tmp_path / "build"), "-p", "NPROC=4", str(ok),
                            str(tmp_path / "02_bad.ipynb")], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(CODE)},
                           timeout=300)
@@ -104,6 +110,18 @@ def test_run_course_reports_pass_and_fail(tmp_path):
             if line.startswith("0")}
     assert rows == {"01_ok.ipynb": "pass", "02_bad.ipynb": "FAIL"}
     assert (tmp_path / "build" / "02_bad.ipynb").exists()  # kept for inspection
+    err = proc.stderr.splitlines()
+    assert err[0].startswith("Running 2 notebook(s) into ") and "expected about 5 min" in err[0]
+    # 3 code cells in 01: the parameters cell, papermill's injected one, the assert
+    cells = [ln.split(",")[0] for ln in err if ln.startswith("[1/2] 01_ok.ipynb  cell ")]
+    assert cells == [f"[1/2] 01_ok.ipynb  cell {n}/3" for n in (1, 2, 3)]
+    assert any(ln.startswith("[1/2] 01_ok.ipynb  pass after ") for ln in err)
+    # 02 has no parameters cell: papermill says so and puts its cell first (4 code cells)
+    assert any(ln.startswith("[2/2] 02_bad.ipynb  FAIL after ") and
+               ln.endswith("in cell 3: PapermillExecutionError: ValueError: boom") for ln in err)
+    assert "\r" not in proc.stderr  # not a terminal: plain lines, no in-place updates
+    assert "Kernel is running" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
+    assert (tmp_path / "build" / "01_ok.kernel.log").exists()
 
 
 def test_launch_expect_failure_shows_rank_errors(capsys):

@@ -1,9 +1,11 @@
-"""code/run_w_torchrun.sh: bad input fails fast with one line; good input runs every rank."""
+"""code/run_w_torchrun.sh: bad input fails fast with one line; good input runs every rank;
+a failed run ends with a short summary; logs go to build/logs/, not to the temp dir."""
+import shutil
 import subprocess
 
 import pytest
 
-from conftest import LAUNCHER, free_port, launcher_env, run_launcher, run_ok
+from conftest import LAUNCHER, ROOT, free_port, launcher_env, run_launcher, run_ok
 
 
 @pytest.mark.parametrize("args, reason", [
@@ -38,15 +40,78 @@ def test_keeps_omp_num_threads_when_set(rank_script):
     assert proc.stdout.count("omp=3") == 2
 
 
-def test_failure_passes_through():
-    proc = run_launcher(2, "ch00_collectives/collectives.py", "--op", "nope")
-    assert proc.returncode != 0
-    assert "unknown --op nope" in proc.stderr
+def test_failure_ends_with_a_short_summary(tmp_path):
+    proc = run_launcher(2, "ch00_collectives/collectives.py", "--op", "nope",
+                        env={"LOG_DIR": str(tmp_path)})
+    assert proc.returncode == 1  # torchrun's status
+    lines = proc.stderr.splitlines()
+    # each rank's own error (usage + error line), then the two-line summary; before the summary
+    # existed, torchrun's ChildFailedError traceback made this ~45 lines
+    assert len(lines) <= 8, proc.stderr
+    assert sum("collectives.py: error: unknown --op nope" in ln for ln in lines[:-2]) == 2
+    assert lines[-2].startswith("run_w_torchrun.sh: rank ")
+    assert "failed first (exit code 2): collectives.py: error: unknown --op nope" in lines[-2]
+    assert "exit status 1" in lines[-1] and str(tmp_path) in lines[-1]
+    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "elastic" not in proc.stderr and "[default" not in proc.stderr
+    # torchrun's full report is kept in the run's log folder, next to every rank's stderr
+    (run_dir,) = tmp_path.iterdir()
+    assert "ChildFailedError" in (run_dir / "torchrun.log").read_text()
+    assert [p.parent.name for p in sorted(run_dir.rglob("stderr.log"))] == ["0", "1"]
+
+
+@pytest.fixture
+def fail_on_rank_1(tmp_path):
+    """Rank 1 raises once the process group is up; rank 0 waits (torchrun will stop it)."""
+    script = tmp_path / "fail_on_rank_1.py"
+    script.write_text("import time\n"
+                      "import torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "if dist.get_rank() == 1:\n"
+                      "    raise ValueError('rank 1 says no')\n"
+                      "time.sleep(60)\n")
+    return script
+
+
+def test_failure_summary_names_the_rank_that_raised(fail_on_rank_1, tmp_path):
+    proc = run_launcher(2, fail_on_rank_1, env={"LOG_DIR": str(tmp_path / "logs")}, timeout=60)
+    assert proc.returncode == 1
+    # the learner's traceback stays; rank 0, stopped by torchrun, is not blamed
+    assert 'fail_on_rank_1.py", line 5' in proc.stderr
+    assert "rank 1 failed first (exit code 1): ValueError: rank 1 says no" in proc.stderr
+    assert "rank 0 failed" not in proc.stderr and "SIGTERM" not in proc.stderr
+    assert "ChildFailedError" not in proc.stderr
+    assert len(proc.stderr.splitlines()) <= 8, proc.stderr
+
+
+def test_failure_summary_when_only_rank_0_is_shown(fail_on_rank_1, tmp_path):
+    """RANKS=0 hides rank 1's traceback; the summary still says what rank 1 raised."""
+    proc = run_launcher(2, fail_on_rank_1, env={"RANKS": "0", "LOG_DIR": str(tmp_path / "logs")},
+                        timeout=60)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "rank 1 failed first (exit code 1): ValueError: rank 1 says no" in proc.stderr
 
 
 def test_ranks_filter_shows_rank_0_only(rank_script):
     proc = run_ok(2, rank_script, env={"RANKS": "0"})
     assert "rank=0" in proc.stdout and "rank=1" not in proc.stdout
+
+
+def test_logs_go_to_build_not_to_the_temp_dir(rank_script, tmp_path):
+    """torchrun alone leaves an empty torchelastic_* folder in the temp dir at every launch."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    logs = ROOT / "build" / "logs"
+    before = set(logs.glob("*-show_env-*"))
+    proc = run_ok(2, rank_script, env={"TMPDIR": str(tmp), "LOG_DIR": None})
+    assert "[default" not in proc.stdout + proc.stderr  # --tee's tags stay off the console
+    assert not list(tmp.glob("torchelastic_*"))
+    (run_dir,) = set(logs.glob("*-show_env-*")) - before
+    try:
+        assert "rank=1" in next(run_dir.rglob("1/stdout.log")).read_text()
+    finally:
+        shutil.rmtree(run_dir)
 
 
 def test_log_dir_keeps_per_rank_logs(rank_script, tmp_path):

@@ -7,6 +7,7 @@ Rank r starts with x = [10r, 10r+1, ..., 10r+N-1] (N = world size), so every num
 it came from: its tens digit is the rank that owned it, its last digit its position.
 """
 import argparse
+import os
 import time
 
 import torch
@@ -97,10 +98,11 @@ ops = list(OPS) if args.op == "all" else args.op.split(",")
 unknown = [o for o in ops if o not in OPS]
 if unknown:
     parser.error(f"unknown --op {', '.join(unknown)}; choose from {', '.join(OPS)}")
+# torchrun set WORLD_SIZE already: checked before joining the group, every rank stops alike.
+if int(os.environ.get("WORLD_SIZE", 2)) < 2:
+    parser.error("needs at least 2 processes (NPROC >= 2): a collective needs someone to talk to")
 
 env = setup()
-if env.world_size < 2:
-    raise SystemExit("ch00_collectives/collectives.py: needs at least 2 processes (NPROC >= 2)")
 results = {}
 for op in ops:
     x = start(env.rank, env.world_size).to(env.device)

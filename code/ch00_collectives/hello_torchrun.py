@@ -1,17 +1,23 @@
 """What torchrun starts: NPROC copies of this script, told apart only by environment variables.
 
     code/run_w_torchrun.sh 2 ch00_collectives/hello_torchrun.py
+    code/run_w_torchrun.sh 2 ch00_collectives/hello_torchrun.py --direct   # ranks also print()
+    RANKS=0 code/run_w_torchrun.sh 2 ch00_collectives/hello_torchrun.py --direct
 """
 import argparse
 import os
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from distkit import pick_device, print_ranks
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.parse_args()
+parser.add_argument("--direct", action="store_true",
+                    help="every rank also print()s one line itself: the lines race each other, "
+                         "and torchrun's --local-ranks-filter (RANKS=0) hides the other ranks'")
+args = parser.parse_args()
 if "RANK" not in os.environ:
     raise SystemExit("hello_torchrun.py: not started by torchrun; "
                      "run it as: code/run_w_torchrun.sh 2 ch00_collectives/hello_torchrun.py")
@@ -21,16 +27,29 @@ names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", 
 seen = "  ".join(f"{k}={os.environ[k]}" for k in names)
 
 # 2. Pick the backend: NCCL moves GPU memory over NVLink/InfiniBand; gloo moves CPU memory
-#    over TCP. Same API, different transport.
+#    over TCP. Same API, different transport. On a GPU node each process must claim its own
+#    GPU before anything touches CUDA: without set_device every rank would use cuda:0.
 device, backend = pick_device(int(os.environ["LOCAL_RANK"]))
+if device.type == "cuda":
+    torch.cuda.set_device(device)
 
 # 3. Join the group. With no init_method, init_process_group reads RANK, WORLD_SIZE,
 #    MASTER_ADDR and MASTER_PORT from the environment ("env://"): every rank connects to the
 #    store at MASTER_ADDR:MASTER_PORT (run by torchrun) and waits until all WORLD_SIZE arrived.
 #    A short timeout turns a missing rank into an error instead of a hang.
 dist.init_process_group(backend, timeout=timedelta(seconds=60))
+rank = dist.get_rank()
 
+# 4. A plain print() goes straight from this process to its own stdout: torchrun shows every
+#    rank's stdout on the console, so these lines race (and RANKS=0 shows rank 0's only).
+#    The thread count is the launcher's choice: OMP_NUM_THREADS = cores // NPROC unless set.
+if args.direct:
+    print(f"rank {rank} print()s directly: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+          f"torch.get_num_threads()={torch.get_num_threads()}", flush=True)
+
+# 5. print_ranks is a collective (gather_object to rank 0): every rank sends its text, rank 0
+#    prints them all in rank order. Same output every run, but all of it comes from rank 0.
 print_ranks(f"{seen}\nbackend={dist.get_backend()} device={device} "
-            f"dist.get_rank()={dist.get_rank()} dist.get_world_size()={dist.get_world_size()}")
+            f"dist.get_rank()={rank} dist.get_world_size()={dist.get_world_size()}")
 dist.barrier()  # leave together: nobody closes connections a peer is still using
 dist.destroy_process_group()

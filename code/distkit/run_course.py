@@ -1,18 +1,68 @@
 """`make course`: execute every notebook in order with papermill, headless, into build/.
 
-Prints a table (notebook, pass/fail, seconds) and exits non-zero if any notebook failed; the
-executed copy of a failing notebook stays in build/ for inspection.
+Shows progress on stderr (notebook, code cell n of m, seconds so far), then prints a table
+(notebook, pass/fail, seconds) and exits non-zero if any notebook failed; the executed copy of a
+failing notebook stays in build/ for inspection. Each kernel's own messages (startup warnings,
+"KeyboardInterrupt caught in kernel" at shutdown, which is normal) go to
+build/<notebook>.kernel.log instead of the console.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
 import sys
 import time
 from pathlib import Path
 
+import nbformat
 import papermill
+from jupyter_client.manager import AsyncKernelManager
 
 ROOT = Path(__file__).resolve().parents[2]
+GUESS_S = 150  # seconds per notebook on a 2-core laptop, until a run here has measured them
+
+
+class Progress:
+    """One line per code cell on stderr (CI logs); on a terminal, one line rewritten in place."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream, self.tty = stream, stream.isatty()
+
+    def start(self, label: str, cells: int) -> None:
+        self.label, self.cells, self.n, self.t0 = label, cells, 0, time.perf_counter()
+
+    def cell(self, **_) -> None:  # nbclient's on_cell_execute hook: a code cell starts
+        self.n += 1
+        self.show(f"cell {self.n}/{self.cells}, {time.perf_counter() - self.t0:.0f} s")
+
+    def show(self, text: str, last: bool = False) -> None:
+        line = f"{self.label}  {text}"
+        self.stream.write(f"\r\033[K{line}{chr(10) if last else ''}" if self.tty else line + "\n")
+        self.stream.flush()
+
+
+def kernel_logging_to(path: Path) -> type[AsyncKernelManager]:
+    """A kernel manager whose kernel writes its stdout/stderr to `path`, not to our console."""
+    class QuietKernelManager(AsyncKernelManager):
+        async def start_kernel(self, **kw):
+            self.console_log = open(path, "w")  # the kernel process writes to it; closed at exit
+            return await super().start_kernel(stdout=self.console_log, stderr=self.console_log,
+                                              **kw)
+    return QuietKernelManager
+
+
+def code_cells(nb_path: Path, params: dict) -> int:
+    """How many code cells papermill will run (it adds one cell when given parameters)."""
+    cells = nbformat.read(nb_path, as_version=4).cells
+    injected = any("injected-parameters" in c.metadata.get("tags", []) for c in cells)
+    return sum(c.cell_type == "code" and bool(c.source.strip()) for c in cells) + \
+        int(bool(params) and not injected)
+
+
+def minutes(secs: float) -> str:
+    return f"{int(secs / 60 + 0.5)} min" if secs >= 90 else f"{secs:.0f} s"
 
 
 def main(argv=None) -> int:
@@ -23,6 +73,7 @@ def main(argv=None) -> int:
     parser.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
                         help="papermill parameter for every notebook, e.g. -p NPROC=4")
     args = parser.parse_args(argv)
+    logging.basicConfig(format="%(name)s: %(message)s")  # say who warns ("papermill: ...")
     params = {}
     for p in args.param:
         name, sep, value = p.partition("=")
@@ -32,18 +83,37 @@ def main(argv=None) -> int:
     notebooks = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     args.out.mkdir(parents=True, exist_ok=True)
 
+    # Expected time: this machine's last run of each notebook, else a 2-core laptop's guess.
+    times_file = args.out / "course_times.json"
+    last = json.loads(times_file.read_text()) if times_file.exists() else {}
+    expected = sum(last.get(nb.name, GUESS_S) for nb in notebooks)
+    basis = "as the last run here" if all(nb.name in last for nb in notebooks) else "on 2 cores"
+    out = os.path.relpath(args.out) if args.out.resolve().is_relative_to(Path.cwd()) else args.out
+    print(f"Running {len(notebooks)} notebook(s) into {out}/, expected about {minutes(expected)} "
+          f"{basis}{'; parameters: ' + str(params) if params else ''}",
+          file=sys.stderr, flush=True)
+
+    progress = Progress()
     rows = []
-    for nb in notebooks:
+    for i, nb in enumerate(notebooks, 1):
+        progress.start(f"[{i}/{len(notebooks)}] {nb.name}", code_cells(nb, params))
         t0 = time.perf_counter()
         try:
-            papermill.execute_notebook(nb, args.out / nb.name, parameters=params,
-                                       cwd=nb.resolve().parent, progress_bar=False)
-            status = "pass"
+            papermill.execute_notebook(
+                nb, args.out / nb.name, parameters=params, cwd=nb.resolve().parent,
+                progress_bar=False, on_cell_execute=progress.cell,
+                kernel_manager_class=kernel_logging_to(args.out / f"{nb.stem}.kernel.log"))
+            status, detail = "pass", ""
         except Exception as e:  # papermill raises PapermillExecutionError with the cell's error
             status = "FAIL"
-            print(f"{nb.name}: {type(e).__name__}: {str(e).strip().splitlines()[-1]}",
-                  file=sys.stderr)
-        rows.append((nb.name, status, time.perf_counter() - t0))
+            detail = f" in cell {progress.n}: {type(e).__name__}: " + \
+                (str(e).strip().splitlines() or [""])[-1]
+        secs = time.perf_counter() - t0
+        progress.show(f"{status} after {secs:.0f} s{detail}", last=True)
+        rows.append((nb.name, status, secs))
+        if status == "pass":
+            last[nb.name] = round(secs)
+    times_file.write_text(json.dumps(last, indent=1) + "\n")
 
     width = max([len(n) for n, _, _ in rows] + [8])
     print(f"\n{'notebook':<{width}}  result  seconds")

@@ -1,12 +1,15 @@
-"""Exercise 01 solution: data parallelism without the DDP wrapper, from chapter 00's collectives.
+"""Exercise 01.1 solution: data parallelism without the DDP wrapper, from chapter 00's collectives.
 
-    code/run_w_torchrun.sh 2 ch01_ddp/solutions/ex01_manual_ddp.py          # one all_reduce per tensor
-    code/run_w_torchrun.sh 2 ch01_ddp/solutions/ex01_manual_ddp.py --flat   # one per step (a bucket)
+    code/run_w_torchrun.sh 2 ch01_ddp/solutions/ex01_manual_ddp.py         # all_reduce per tensor
+    code/run_w_torchrun.sh 2 ch01_ddp/solutions/ex01_manual_ddp.py --flat  # one per step
 
-Same weights everywhere (broadcast), then after every backward the average gradient
-(all_reduce, divide by N). It matches train_single.py --batch-size N*b.
+Every rank starts from different random weights; broadcasting rank 0's parameters and buffers
+makes them equal (what DDP does at construction). After every backward, each gradient is
+replaced by the average over ranks: all_reduce (a sum), then divide by N. The losses then match
+train_single.py --batch-size N*b. The starter is ../exercises/ex01_manual_ddp.py (same lines).
 """
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -19,20 +22,44 @@ from distkit.toy import counting_data, tiny_llama
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--batch-size", type=int, default=8, help="sequences per step, per process")
 parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
 parser.add_argument("--flat", action="store_true", help="all-reduce all gradients as one tensor")
 parser.add_argument("--json", help="write per-step losses and all-reduce counts here")
 args = parser.parse_args()
+world = int(os.environ.get("WORLD_SIZE", 1))
 if args.batch_size < 1:
     parser.error("--batch-size must be positive")
+if args.samples < world * args.batch_size:
+    parser.error(f"need --samples >= {world} processes x --batch-size")
+
+
+def same_on_all_ranks(tensors) -> bool:
+    """True when every rank holds exactly the same values: their minimum and maximum over the
+    ranks are equal. (A collective: every rank must call it.)"""
+    v = torch.cat([t.detach().reshape(-1) for t in tensors])
+    lo, hi = v.clone(), v.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return torch.equal(lo, hi)
+
 
 env = setup()
 torch.manual_seed(env.rank)  # deliberately different initial weights on every rank...
 model = tiny_llama().to(env.device)
-params = list(model.parameters())
+params, buffers = list(model.parameters()), list(model.buffers())
+identical = {"start": same_on_all_ranks(params)}
+print0(f"initial weights identical on every rank: {identical['start']}")
 for p in params:  # ...until rank 0's are broadcast, as DDP does at construction
-    dist.broadcast(p.data, src=0)
+    dist.broadcast(p.detach(), src=0)
+# Buffers are model state too, used by forward but not trained (BatchNorm's running statistics;
+# here only the rotary embedding's inv_freq, computed the same on every rank anyway): DDP
+# broadcasts them at construction, and with broadcast_buffers=True before every forward too.
+for b in buffers:
+    dist.broadcast(b, src=0)
+identical["broadcast"] = same_on_all_ranks(params + buffers)
+print0(f"after the broadcast, weights and buffers identical: {identical['broadcast']}")
 optimizer = torch.optim.AdamW(params, lr=3e-3)
-data = counting_data(256)
+data = counting_data(args.samples)
 sampler = DistributedSampler(data, shuffle=True, seed=0)
 loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
@@ -45,11 +72,11 @@ for epoch in range(args.epochs):
         loss.backward()
         grads = [p.grad for p in params]
         if args.flat:  # one message: latency paid once (what DDP's buckets do)
-            flat = torch.cat([g.view(-1) for g in grads])
+            flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat)
-            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
             calls += 1
+            for g, synced in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(synced.view_as(g))
         else:
             for g in grads:
                 dist.all_reduce(g)
@@ -61,7 +88,11 @@ for epoch in range(args.epochs):
         loss = loss.detach()
         dist.all_reduce(loss)  # for the log: the mean over all ranks' sequences
         losses.append(loss.item() / env.world_size)
-    print0(f"epoch {epoch}  step {len(losses):3d}  loss {losses[-1]:.4f}")
+    # 3 decimals: further digits differ in the last float bits between CPUs and world sizes
+    print0(f"epoch {epoch}  step {len(losses):3d}  loss {losses[-1]:.3f}")
 print0(f"all_reduce calls per step: {calls // len(losses)}")
-write_json(args.json, {"losses": losses, "calls_per_step": calls // len(losses)})
+identical["end"] = same_on_all_ranks(params)  # every rank took the same steps
+print0(f"after training, weights identical: {identical['end']}")
+write_json(args.json, {"losses": losses, "calls_per_step": calls // len(losses),
+                       "identical": identical})
 teardown()

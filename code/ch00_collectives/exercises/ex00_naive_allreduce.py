@@ -1,0 +1,56 @@
+"""Exercise 00.1 (starter): all-reduce through rank 0, a "parameter server", bytes counted.
+
+    code/run_w_torchrun.sh 4 ch00_collectives/exercises/ex00_naive_allreduce.py
+
+Every rank sends its tensor to rank 0 with dist.send; rank 0 adds them up and sends the sum
+back to every other rank. Fill in the two TODOs (each todo() call stops the run and says what
+is missing; delete it once your code is there), and count the bytes each rank sends and
+receives. Before you run it on 4 processes, predict rank 0's counts. The end of the script
+checks your result against dist.all_reduce. Solution: ../solutions/ex00_naive_allreduce.py.
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from distkit import print0, print_ranks, seed_everything, setup, teardown
+
+
+def todo(what: str):
+    """Stands where your code goes: stops this rank with one line saying what is missing."""
+    print(f"TODO (ex00_naive_allreduce.py): {what}", file=sys.stderr, flush=True)
+    os._exit(1)  # at once: a normal exit can abort noisily inside gloo's shutdown
+
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--numel", type=int, default=2**18, help="float32 elements per rank")
+args = parser.parse_args()
+if args.numel < 1:
+    parser.error(f"--numel must be positive, got {args.numel}")
+
+env = setup()
+rank, n = env.rank, env.world_size
+seed_everything(rank)
+x = torch.randn(args.numel, device=env.device)
+size = x.numel() * x.element_size()  # S, in bytes
+expected = x.clone()
+dist.all_reduce(expected)  # the reference your result must match
+
+sent = received = 0   # bytes: add size every time this rank sends or receives a tensor
+total = x.clone()     # at the end: the sum over all ranks, on every rank
+if rank == 0:
+    # TODO: receive the N-1 other tensors (dist.recv(buf, src=...)) and add each to total;
+    #       then send total to every other rank (dist.send(total, dst=...)).
+    todo("rank 0: receive the other ranks' tensors, add them up, send the sum back")
+else:
+    # TODO: send x to rank 0, then receive the sum into total.
+    todo("ranks 1..N-1: send x to rank 0, then receive the sum from it")
+
+torch.testing.assert_close(total, expected)
+print0(f"S = {size:,} bytes, N = {n}; ring: every rank sends 2(N-1)/N*S = "
+       f"{2 * (n - 1) / n * size:,.0f}")
+print_ranks(f"sent {sent:,} received {received:,} bytes ({(sent + received) / size:.0f} S)")
+print0("result == dist.all_reduce: True")
+teardown()

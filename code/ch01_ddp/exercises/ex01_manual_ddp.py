@@ -1,0 +1,117 @@
+"""Exercise 01.1 (starter): data parallelism without the DDP wrapper, from chapter 00's collectives.
+
+    code/run_w_torchrun.sh 2 ch01_ddp/exercises/ex01_manual_ddp.py         # all_reduce per tensor
+    code/run_w_torchrun.sh 2 ch01_ddp/exercises/ex01_manual_ddp.py --flat  # one per step
+
+Every rank starts from different random weights (seeded by its rank). Make them equal, as DDP
+does at construction: broadcast rank 0's parameters and buffers. After every backward, replace
+each gradient by the average over ranks: all_reduce (a sum), then divide by N. The losses must
+then match train_single.py --batch-size N*b (N processes, --batch-size b each).
+Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
+time: it stops at the first todo() left and says what is missing.
+Solution: ../solutions/ex01_manual_ddp.py (the same lines: diff the two files).
+
+Predict, then measure:
+1. How many all_reduce calls per step without --flat, and with it? (21 parameter tensors.)
+2. Skip the broadcast: do the losses still match one process? What do the "identical" lines say?
+3. Skip the division by N, so every rank steps with the sum. With SGD that doubles the learning
+   rate; with AdamW, how far from one process's losses do you expect to land, and why?
+"""
+import argparse
+import inspect
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from distkit import print0, setup, teardown, write_json
+from distkit.toy import counting_data, tiny_llama
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--batch-size", type=int, default=8, help="sequences per step, per process")
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
+parser.add_argument("--flat", action="store_true", help="all-reduce all gradients as one tensor")
+parser.add_argument("--json", help="write per-step losses and all-reduce counts here")
+args = parser.parse_args()
+world = int(os.environ.get("WORLD_SIZE", 1))
+if args.batch_size < 1:
+    parser.error("--batch-size must be positive")
+if args.samples < world * args.batch_size:
+    parser.error(f"need --samples >= {world} processes x --batch-size")
+
+
+def todo(what: str):
+    """Stop at a part still to write: say where and what, on every rank, then exit."""
+    caller = inspect.currentframe().f_back
+    print(f"TODO(you) at {os.path.relpath(caller.f_code.co_filename)}:{caller.f_lineno}: {what}",
+          file=sys.stderr, flush=True)
+    if dist.is_initialized():  # every rank stops at the same TODO: leave together
+        dist.barrier()
+        dist.destroy_process_group()
+    os._exit(1)
+
+
+def same_on_all_ranks(tensors) -> bool:
+    """True when every rank holds exactly the same values: their minimum and maximum over the
+    ranks are equal. (A collective: every rank must call it.)"""
+    v = torch.cat([t.detach().reshape(-1) for t in tensors])
+    lo, hi = v.clone(), v.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return torch.equal(lo, hi)
+
+
+env = setup()
+torch.manual_seed(env.rank)  # deliberately different initial weights on every rank...
+model = tiny_llama().to(env.device)
+params, buffers = list(model.parameters()), list(model.buffers())
+identical = {"start": same_on_all_ranks(params)}
+print0(f"initial weights identical on every rank: {identical['start']}")
+# TODO(you): ...until rank 0's are broadcast, as DDP does at construction: dist.broadcast every
+# parameter (p.detach(): the same storage, outside autograd) and every buffer from rank 0.
+# Why buffers too? They are model state, used by forward but not trained: BatchNorm's running
+# statistics; here the rotary embedding's inv_freq.
+todo("broadcast rank 0's parameters and buffers to every rank")
+identical["broadcast"] = same_on_all_ranks(params + buffers)
+print0(f"after the broadcast, weights and buffers identical: {identical['broadcast']}")
+optimizer = torch.optim.AdamW(params, lr=3e-3)
+data = counting_data(args.samples)
+sampler = DistributedSampler(data, shuffle=True, seed=0)
+loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+
+losses, calls = [], 0
+for epoch in range(args.epochs):
+    sampler.set_epoch(epoch)
+    for (tokens,) in loader:
+        tokens = tokens.to(env.device)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        grads = [p.grad for p in params]
+        if args.flat:  # one message: latency paid once (what DDP's buckets do)
+            # TODO(you): concatenate the gradients into one flat tensor (torch.cat of each
+            # g.reshape(-1)), all_reduce it once (calls += 1), then copy each slice back into its
+            # gradient: flat.split([g.numel() for g in grads]), each slice .view_as(g).
+            todo("--flat: one all_reduce of all gradients flattened, then copy the slices back")
+        else:
+            # TODO(you): all_reduce every gradient in place (calls += 1 for each).
+            todo("all_reduce every gradient")
+        # TODO(you): divide every gradient by env.world_size: sum -> mean, as the single
+        # process's loss is a mean.
+        todo("divide every gradient by the world size")
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach()
+        dist.all_reduce(loss)  # for the log: the mean over all ranks' sequences
+        losses.append(loss.item() / env.world_size)
+    # 3 decimals: further digits differ in the last float bits between CPUs and world sizes
+    print0(f"epoch {epoch}  step {len(losses):3d}  loss {losses[-1]:.3f}")
+print0(f"all_reduce calls per step: {calls // len(losses)}")
+identical["end"] = same_on_all_ranks(params)  # every rank took the same steps
+print0(f"after training, weights identical: {identical['end']}")
+write_json(args.json, {"losses": losses, "calls_per_step": calls // len(losses),
+                       "identical": identical})
+teardown()

@@ -1,0 +1,277 @@
+"""Exercise 01.2 solution: overlap the gradient all-reduce with backward, by hand, as DDP does.
+
+    code/run_w_torchrun.sh 2 ch01_ddp/solutions/ex01_overlap.py --times
+    code/run_w_torchrun.sh 2 ch01_ddp/solutions/ex01_overlap.py --modes bucketed --bucket-mb 0.05
+
+Three ways to average the gradients, each training the same seeded model on the same batches:
+- flat: wait for backward to finish, then one all_reduce of all gradients flattened together
+  (exercise 1's --flat): nothing overlaps;
+- per-param: a hook on every parameter launches an async all_reduce of its gradient the moment
+  backward has produced it, while backward carries on with earlier layers; wait after backward;
+- bucketed: the same with one all_reduce per bucket of about --bucket-mb MiB of gradients,
+  filled in the order backward produces them: DDP's design (fewer messages, still overlapped).
+Each mode is checked against one process training on the global batch (computed here, on every
+rank: the model is tiny), and every all_reduce is timed from the start of backward: when it was
+launched, when it completed, and how much of it was left to wait for once backward's
+computation had ended (exposed). The starter is ../exercises/ex01_overlap.py (same lines).
+After Stanford CS336 (2025), assignment 2: ddp_overlap_individual_parameters, ddp_overlap_bucketed.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector
+
+from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit.toy import counting_data, tiny_llama
+
+MODES = ("flat", "per-param", "bucketed")
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--modes", default=",".join(MODES),
+                    help="comma-separated, from: " + ", ".join(MODES))
+parser.add_argument("--steps", type=int, default=8, help="training steps per mode (>= 2)")
+parser.add_argument("--batch-size", type=int, default=8, help="sequences per step, per process")
+parser.add_argument("--bucket-mb", type=float, default=0.1, help="bucket size in MiB (bucketed)")
+parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--times", action="store_true",
+                    help="also print the measured times (wall-clock: they vary run to run)")
+parser.add_argument("--json", help="write losses, call counts and every timing here (rank 0)")
+args = parser.parse_args()
+modes = args.modes.split(",")
+if not set(modes) <= set(MODES):
+    parser.error(f"--modes: unknown {', '.join(sorted(set(modes) - set(MODES)))}; "
+                 f"choose from {', '.join(MODES)}")
+if args.steps < 2 or args.batch_size < 1 or not args.bucket_mb > 0:
+    parser.error("need --steps >= 2, --batch-size >= 1 and --bucket-mb > 0")
+
+env = setup()
+N, b = env.world_size, args.batch_size
+# Step s trains on the global batch of N*b sequences number s*N*b ... (s+1)*N*b - 1;
+# rank r reads its b rows of it.
+(tokens,) = counting_data(args.steps * N * b)[:]
+batches = tokens.view(args.steps, N * b, -1).to(env.device)
+
+
+def new_model():
+    seed_everything(args.seed)  # the same weights on every rank and in every mode (no broadcast)
+    model = tiny_llama().to(env.device)
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+
+def grad_vector(params) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+# The reference: one process on the global batch. Every rank computes it (a tiny model).
+model, optimizer = new_model()
+single = {"losses": [], "grads": []}
+for step in range(args.steps):
+    loss = model(input_ids=batches[step], labels=batches[step]).loss
+    loss.backward()
+    single["grads"].append(grad_vector(model.parameters()))
+    optimizer.step()
+    optimizer.zero_grad()
+    single["losses"].append(loss.item())
+single["weights"] = parameters_to_vector(model.parameters()).detach().clone()
+
+
+class Timeline:
+    """Measurement: one step's all_reduces, in seconds since that step's backward started.
+
+    Host clock. On CPU/gloo a Work's future completes when gloo's thread has finished the
+    all_reduce. On CUDA/NCCL it completes once the all_reduce is queued on NCCL's stream (the GPU
+    runs it later), so "done" would mean "queued": use torch.profiler there.
+    """
+
+    def __init__(self):
+        self.t0, self.calls, self.pending = time.perf_counter(), [], []
+
+    def start(self):  # right before loss.backward()
+        self.t0, self.calls, self.pending = time.perf_counter(), [], []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def log(self, work, tensor):
+        """Record an all_reduce just launched: now, and when its Work completes."""
+        call = {"launched": self.now(), "bytes": tensor.numel() * tensor.element_size()}
+        self.calls.append(call)
+        # runs on the backend's thread as soon as the all_reduce is done
+        self.pending.append(work.get_future().then(lambda _: call.update(done=self.now())))
+
+    def collect(self) -> list[dict]:
+        torch.futures.wait_all(self.pending)  # every "done" time is written
+        return self.calls
+
+
+# The three ways to average gradients. Each has finish(), called right after loss.backward().
+# dist.all_reduce(t, async_op=True) returns at once with a Work handle while the backend sums
+# in the background; work.wait() blocks until t holds the sum. Wait before the optimizer reads
+# the gradients.
+
+class Flat:
+    """Exercise 1's --flat: after backward, one all_reduce of every gradient, flattened."""
+
+    def __init__(self, model, timeline):
+        self.params, self.timeline = list(model.parameters()), timeline
+
+    def finish(self):
+        grads = [p.grad for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, async_op=True)  # async only to time it like the others
+        self.timeline.log(work, flat)
+        work.wait()
+        flat /= N  # sum -> mean
+        for g, synced in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(synced.view_as(g))
+
+
+class PerParam:
+    """(a) One async all_reduce per parameter, launched the moment its gradient is ready."""
+
+    def __init__(self, model, timeline):
+        self.timeline, self.works = timeline, []
+        for p in model.parameters():
+            # called by autograd once p.grad holds this backward's whole gradient for p
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def _ready(self, p):
+        work = dist.all_reduce(p.grad, async_op=True)  # backward goes on meanwhile
+        self.timeline.log(work, p.grad)
+        self.works.append((work, p))
+
+    def finish(self):
+        for work, p in self.works:
+            work.wait()
+            p.grad /= N
+        self.works = []
+
+
+class Bucketed:
+    """(b) Parameters in buckets of about bucket_mb MiB; one async all_reduce per bucket,
+    launched when the last gradient of the bucket is ready."""
+
+    def __init__(self, model, timeline, bucket_mb):
+        self.timeline, self.inflight = timeline, []
+        # Fill buckets in reverse registration order: roughly the order backward produces the
+        # gradients (the last layer's first), so the first bucket is complete early.
+        self.buckets, bucket, size = [], [], 0
+        for p in reversed(list(model.parameters())):
+            bucket.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_mb * 2**20:
+                self.buckets.append(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self.buckets.append(bucket)
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.missing = [len(bucket) for bucket in self.buckets]  # gradients still to come
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def _ready(self, p):
+        i = self.bucket_of[p]
+        self.missing[i] -= 1
+        if self.missing[i] == 0:  # the bucket is complete: one message for all of it
+            flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
+            work = dist.all_reduce(flat, async_op=True)
+            self.timeline.log(work, flat)
+            self.inflight.append((work, flat, i))
+        # Every rank runs the same graph, so buckets complete, and their all_reduces are
+        # launched, in the same order on every rank: collectives are matched by order.
+
+    def finish(self):
+        # A parameter without a gradient (unused in forward) would leave its bucket waiting
+        # forever: what DDP's find_unused_parameters=True is for.
+        assert len(self.inflight) == len(self.buckets), "a bucket's all_reduce was never launched"
+        for work, flat, i in self.inflight:
+            work.wait()
+            flat /= N
+            grads = [q.grad for q in self.buckets[i]]
+            for g, synced in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(synced.view_as(g))
+        self.inflight = []
+        self.missing = [len(bucket) for bucket in self.buckets]
+
+
+num_tensors = len(list(model.parameters()))
+grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+print0(f"{num_tensors} parameter tensors, {grad_bytes:,} gradient bytes; {args.steps} steps per "
+       f"mode on {N} processes x {b} sequences")
+print0(f"same as one process x {N * b} sequences: max |diff| < 1e-5 for losses and gradients, "
+       f"< 1e-4 for weights")
+print0(f"{'mode':10} {'all_reduces/step':>16} {'bytes = gradients':>17} {'losses':>7} "
+       f"{'grads':>6} {'weights':>8}")
+results = {}
+for mode in modes:
+    model, optimizer = new_model()
+    params = list(model.parameters())
+    timeline = Timeline()
+    if mode == "flat":
+        sync = Flat(model, timeline)
+    elif mode == "per-param":
+        sync = PerParam(model, timeline)
+    else:
+        sync = Bucketed(model, timeline, args.bucket_mb)
+    losses, grad_gaps, steps = [], [], []
+    for step in range(args.steps):
+        mine = batches[step, env.rank * b:(env.rank + 1) * b]
+        dist.barrier()  # measurement: every rank starts the step together
+        loss = model(input_ids=mine, labels=mine).loss
+        timeline.start()
+        loss.backward()  # per-param, bucketed: the hooks launch all_reduces in here
+        backward_end = timeline.now()  # computation done; all_reduces may still be running
+        sync.finish()  # wait for the all_reduces; gradients are now averaged
+        finished = timeline.now()
+        calls = timeline.collect()
+        grad_gaps.append((grad_vector(params) - single["grads"][step]).abs().max().item())
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach()
+        dist.all_reduce(loss)  # for the log: the mean over all ranks' sequences
+        losses.append(loss.item() / N)
+        steps.append({"backward_end": backward_end, "finished": finished, "calls": calls,
+                      "exposed": max(0.0, max(c["done"] for c in calls) - backward_end)})
+    r = results[mode] = {
+        "losses": losses, "steps": steps,
+        "calls_per_step": [len(s["calls"]) for s in steps],
+        "bytes_per_step": [sum(c["bytes"] for c in s["calls"]) for s in steps],
+        "max_loss_diff": max(abs(x - y) for x, y in zip(losses, single["losses"])),
+        "max_grad_diff": max(grad_gaps),
+        "max_weight_diff": (parameters_to_vector(params) - single["weights"]).abs().max().item(),
+        # medians over steps 2.. (step 1 includes one-time warm-up costs)
+        "backward_ms": 1e3 * statistics.median(s["backward_end"] for s in steps[1:]),
+        "exposed_ms": 1e3 * statistics.median(s["exposed"] for s in steps[1:]),
+    }
+    counts = ",".join(map(str, sorted(set(r["calls_per_step"]))))
+    exact = set(r["bytes_per_step"]) == {grad_bytes}
+    print0(f"{mode:10} {counts:>16} {exact!s:>17} {r['max_loss_diff'] < 1e-5!s:>7} "
+           f"{r['max_grad_diff'] < 1e-5!s:>6} {r['max_weight_diff'] < 1e-4!s:>8}")
+    if mode == "bucketed":
+        r["buckets"] = [sum(p.numel() * p.element_size() for p in bk) for bk in sync.buckets]
+        r["bucket_tensors"] = [len(bk) for bk in sync.buckets]
+        print0(f"{'':10} {len(r['buckets'])} bucket(s), last layer first: "
+               f"{' + '.join(f'{x:,}' for x in r['buckets'])} bytes "
+               f"({' + '.join(map(str, r['bucket_tensors']))} tensors)")
+
+if args.times:
+    print0(f"\nrank 0, ms since backward started, median of steps 2-{args.steps} "
+           f"({env.device.type.upper()}/{env.backend} wall-clock: varies run to run)")
+    print0(f"{'mode':10} {'backward ends':>13} {'launched during it':>18} {'last done':>9} "
+           f"{'exposed':>8}")
+    for mode, r in results.items():
+        later = r["steps"][1:]
+        during = statistics.median(sum(c["launched"] < s["backward_end"] for c in s["calls"])
+                                   for s in later)
+        last = 1e3 * statistics.median(max(c["done"] for c in s["calls"]) for s in later)
+        launched = f"{during:g} of {len(later[0]['calls'])}"
+        print0(f"{mode:10} {r['backward_ms']:13.1f} {launched:>18} {last:9.1f} "
+               f"{r['exposed_ms']:8.1f}")
+write_json(args.json, {"world_size": N, "backend": env.backend, "batch_size": b,
+                       "steps": args.steps, "bucket_mb": args.bucket_mb,
+                       "num_param_tensors": num_tensors, "grad_bytes": grad_bytes,
+                       "single_losses": single["losses"], "modes": results})
+teardown()

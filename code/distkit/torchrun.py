@@ -1,0 +1,99 @@
+"""torchrun as `code/run_w_torchrun.sh` runs it: the same launch, with a short failure report.
+
+    python -m distkit.torchrun --log-dir RUN_DIR --tee 3 [TORCHRUN OPTIONS] SCRIPT [ARGS...]
+
+takes torchrun's own arguments and differs from `torchrun` in three ways:
+- the console shows each rank's output as the rank printed it: `--tee 3` keeps a copy of every
+  rank's stdout/stderr under RUN_DIR, but torchrun would also tag each console line "[default0]:";
+- torchrun's own log lines (closing signals, "failed (exitcode: 1)") go to RUN_DIR/torchrun.log;
+- when a rank fails, two lines (which rank failed first, its error, where the logs are) replace
+  torchrun's ~40-line ChildFailedError traceback, which goes to torchrun.log as well.
+The ranks' own error output (the traceback a learner needs) stays on the console. Exit status is
+torchrun's: 0, or 1 when a rank failed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import traceback
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
+TEE_TAG = re.compile(r"\[default\d+\]:")  # what --tee puts in front of every line it copies
+# the line that says what went wrong: "ValueError: ...", "[rank1]: ValueError: ...", argparse's
+# "script.py: error: ..."
+ERROR_LINE = re.compile(r"(\[rank\d+\]: )?(\S*(Error|Exception|Interrupt)\b|\S+: error: )")
+
+
+class Untagged:
+    """A console stream without the tee's tags, flushed at every write so output stays live."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        tag = TEE_TAG.match(text)
+        self.stream.write(text[tag.end():] if tag else text)
+        self.stream.flush()
+        return len(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def error_of(run_dir: Path, local_rank: int, failure) -> str:
+    """The failed rank's error: from its error file (scripts decorated with torch's @record),
+    else the last error-looking line of its stderr log, else its last line (if any)."""
+    if isinstance(failure.message, dict):
+        return failure.message.get("message", "").strip()
+    logs = sorted(run_dir.glob(f"*/attempt_*/{local_rank}/stderr.log"))
+    lines = [ln for ln in logs[-1].read_text(errors="replace").splitlines() if ln.strip()] \
+        if logs else []
+    errors = [ln for ln in lines if ERROR_LINE.match(ln)]
+    line = (errors or lines or ["nothing on its stderr"])[-1]
+    return re.sub(r"^\[rank\d+\]: ", "", line).strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.log_dir:
+        sys.exit("distkit.torchrun: needs --log-dir DIR (torchrun's log and the ranks' logs)")
+    run_dir = Path(args.log_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torchrun_log = run_dir / "torchrun.log"
+    handler = logging.FileHandler(torchrun_log)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("torch.distributed.run", "torch.distributed.launcher",
+                 "torch.distributed.elastic"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.propagate = False
+
+    console_err = sys.stderr
+    sys.stdout, sys.stderr = Untagged(sys.stdout), Untagged(sys.stderr)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        with torchrun_log.open("a") as f:
+            f.write(traceback.format_exc())  # what torchrun would have printed
+        rank, failure = e.get_first_failure()
+        how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
+               else f"exit code {failure.exitcode}")
+        where = os.path.relpath(run_dir) if run_dir.resolve().is_relative_to(Path.cwd()) \
+            else str(run_dir)
+        print(f"run_w_torchrun.sh: rank {rank} failed first ({how}): "
+              f"{error_of(run_dir, failure.local_rank, failure)}\n"
+              f"run_w_torchrun.sh: exit status 1; every rank's logs and torchrun's report "
+              f"(torchrun.log) are in {where}/", file=console_err, flush=True)
+        return 1
+    finally:
+        sys.stdout, sys.stderr = sys.stdout.stream, sys.stderr.stream
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
