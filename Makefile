@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PYTHONPATH := $(CURDIR)/code
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup check-python course test lab images clean
+.PHONY: setup check-python course test test-nproc lab images clean
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,11 @@ course: setup
 
 test: setup
 	$(BIN)/python -m pytest --durations=25
+
+# Every notebook once more under papermill at another process count (3): minutes per chapter,
+# so kept out of `make test`'s budget; CI (.ci/run, the GitHub workflow) runs both.
+test-nproc: setup
+	$(BIN)/python -m pytest -m second_nproc tests
 
 # JupyterLab refuses to start as root (the user in most containers) without --allow-root.
 ALLOW_ROOT = $(if $(filter 0,$(shell id -u)),--allow-root)

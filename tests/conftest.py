@@ -32,6 +32,22 @@ def pytest_report_header(config):
             + " ".join(f"{k}={v}" for k, v in PORTABILITY_ENV.items()) + " COURSE_DEVICE=cpu")
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Seconds per test file (setup + call + teardown), so the time budget stays visible: each
+    chapter gets about 2 min of nbval and 30 s of script tests on an idle 2-core machine."""
+    per_file = {}
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            if hasattr(rep, "duration") and hasattr(rep, "nodeid") and rep.nodeid:
+                name = rep.nodeid.split("::")[0]
+                per_file[name] = per_file.get(name, 0.0) + rep.duration
+    if per_file:
+        terminalreporter.section("seconds per file")
+        for name, secs in sorted(per_file.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{secs:8.1f}  {name}")
+        terminalreporter.write_line(f"{sum(per_file.values()):8.1f}  in all")
+
+
 def launcher_env(env=None) -> dict:
     """This environment, with this test run's Python for the launcher; None values unset."""
     full = {**os.environ, "PYTHON": sys.executable, **(env or {})}

@@ -1,12 +1,16 @@
 """Chapter 01 beyond what its notebook's nbval run proves: bad input, and the whole notebook at
 another world size (NPROC=3: uneven sampler padding, and resume made exact at N > 2)."""
+import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
+import nbformat
 import pytest
 
-from conftest import CODE, ROOT
+from conftest import CODE, ROOT, launcher_env
 
 BAD_INPUT = [  # script, args, extra env, what the one-line error must say
     ("train_single.py", ["--batch-size", "0"], {}, "--batch-size"),
@@ -47,9 +51,18 @@ def test_notebook_rejects_bad_parameters(tmp_path, batch, message):
     assert proc.returncode != 0 and message in proc.stderr + proc.stdout
 
 
+@pytest.mark.second_nproc
 def test_notebook_at_three_processes(tmp_path):
-    """The README's papermill command, from the repo root, at NPROC=3 (BATCH must then be 24)."""
-    proc = subprocess.run([sys.executable, "-m", "papermill", "notebooks/01_data_parallel_ddp.ipynb",
-                           str(tmp_path / "out.ipynb"), "-p", "NPROC", "3", "-p", "BATCH", "24"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    """The README's plain papermill command, run from notebooks/ without PYTHONPATH (the ch00
+    test runs from the repo root), at NPROC=3 (BATCH must then be 24): the parity asserts, and
+    the resume cell, which at N > 2 pins the buckets and must then be bit-exact too."""
+    out = tmp_path / "out.ipynb"
+    papermill = Path(sys.executable).parent / "papermill"
+    proc = subprocess.run([str(papermill), "01_data_parallel_ddp.ipynb", str(out),
+                           "-p", "NPROC", "3", "-p", "BATCH", "24", "--no-progress-bar"],
+                          cwd=ROOT / "notebooks", capture_output=True, text=True, timeout=900,
+                          env=launcher_env({"PYTHONPATH": None}))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    text = json.dumps(nbformat.read(out, as_version=4).cells)
+    assert "N=3: resumed run == uninterrupted run, every step, bit for bit: True" in text
+    assert re.search(r"N=3, batch 8 per rank: \d+ steps, max \|loss diff\| < 1e-05: True", text)

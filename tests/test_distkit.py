@@ -130,5 +130,5 @@ def test_launch_expect_failure_shows_rank_errors(capsys):
     out = capsys.readouterr().out
     assert "ValueError: COURSE_DEVICE must be 'cpu' or 'cuda', got 'tpu'" in out
     assert out.rstrip().endswith("as expected")
-    with pytest.raises(AssertionError, match="expected hello_torchrun.py to fail"):
+    with pytest.raises(AssertionError, match="expected ch00_collectives/hello_torchrun.py to fail"):
         launch(2, "ch00_collectives/hello_torchrun.py", expect_failure=True)

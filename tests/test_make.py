@@ -83,6 +83,7 @@ def test_clean_removes_build_and_checkpoints_but_not_the_venv(tmp_path):
 
 @pytest.mark.parametrize("target, command", [
     ("test", ".venv/bin/python -m pytest --durations=25"),
+    ("test-nproc", ".venv/bin/python -m pytest -m second_nproc tests"),
     ("course", ".venv/bin/python -m distkit.run_course"),
     ("images", ".venv/bin/python -m distkit.diagrams"),
 ])
@@ -103,4 +104,9 @@ def test_ci_workflow_runs_make_test_on_python_3_11():
     assert str(setup["with"]["python-version"]) == "3.11"
     assert setup["with"]["cache"] == "pip"
     assert setup["with"]["cache-dependency-path"] == "requirements.txt"
-    assert [s["run"] for s in steps if "run" in s] == ["make test"]
+    assert [s["run"] for s in steps if "run" in s] == ["make test", "make test-nproc"]
+
+
+def test_ci_script_runs_the_readme_commands():
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert [ln for ln in lines if ln.startswith("make")] == ["make test", "make test-nproc"]

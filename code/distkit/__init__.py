@@ -5,6 +5,7 @@
 - `seed_everything()`: one seed for Python, NumPy and torch.
 - `print0()` / `print_ranks()`: print from rank 0, or every rank's text in rank order.
 - `write_json()`: rank 0 writes measured results for notebooks and tests to read.
+- `todo()`: where an exercise starter stops, saying what the learner's code must do.
 
 Submodules, imported where needed:
 - `distkit.toy`: a tiny transformers Llama and generated token data (nothing downloaded).
@@ -14,7 +15,7 @@ Submodules, imported where needed:
 - `distkit.run_course`: `make course`, every notebook through papermill.
 """
 from .dist import (DistEnv, pick_device, print0, print_ranks, seed_everything, setup,
-                   teardown, write_json)
+                   teardown, todo, write_json)
 
 __all__ = ["DistEnv", "pick_device", "print0", "print_ranks", "seed_everything", "setup",
-           "teardown", "write_json"]
+           "teardown", "todo", "write_json"]

@@ -18,16 +18,14 @@ Predict, then measure:
    rate; with AdamW, how far from one process's losses do you expect to land, and why?
 """
 import argparse
-import inspect
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from distkit import print0, setup, teardown, write_json
+from distkit import print0, setup, teardown, todo, write_json
 from distkit.toy import counting_data, tiny_llama
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,17 +40,6 @@ if args.batch_size < 1:
     parser.error("--batch-size must be positive")
 if args.samples < world * args.batch_size:
     parser.error(f"need --samples >= {world} processes x --batch-size")
-
-
-def todo(what: str):
-    """Stop at a part still to write: say where and what, on every rank, then exit."""
-    caller = inspect.currentframe().f_back
-    print(f"TODO(you) at {os.path.relpath(caller.f_code.co_filename)}:{caller.f_lineno}: {what}",
-          file=sys.stderr, flush=True)
-    if dist.is_initialized():  # every rank stops at the same TODO: leave together
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(1)
 
 
 def same_on_all_ranks(tensors) -> bool:

@@ -26,17 +26,14 @@ Predict, then measure (--times; CPU/gloo wall-clock times vary: run it twice):
 3. Which --bucket-mb makes bucketed behave like flat, and which like per-param?
 """
 import argparse
-import inspect
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
-from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit import print0, seed_everything, setup, teardown, todo, write_json
 from distkit.toy import counting_data, tiny_llama
 
 MODES = ("flat", "per-param", "bucketed")
@@ -58,17 +55,6 @@ if not set(modes) <= set(MODES):
                  f"choose from {', '.join(MODES)}")
 if args.steps < 2 or args.batch_size < 1 or not args.bucket_mb > 0:
     parser.error("need --steps >= 2, --batch-size >= 1 and --bucket-mb > 0")
-
-
-def todo(what: str):
-    """Stop at a part still to write: say where and what, on every rank, then exit."""
-    caller = inspect.currentframe().f_back
-    print(f"TODO(you) at {os.path.relpath(caller.f_code.co_filename)}:{caller.f_lineno}: {what}",
-          file=sys.stderr, flush=True)
-    if dist.is_initialized():  # every rank stops at the same TODO: leave together
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(1)
 
 
 env = setup()
