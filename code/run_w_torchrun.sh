@@ -52,7 +52,9 @@ if [[ -n "${NNODES:-}" ]]; then
   [[ -n "${RDZV_ENDPOINT:-}" ]] || die "multi-node needs RDZV_ENDPOINT=host:port"
   args+=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-course}")
 else
-  args+=(--standalone)
+  # --local-addr: MASTER_ADDR reads localhost on every machine (torchrun would use the host's
+  # fully qualified name, which differs from machine to machine)
+  args+=(--standalone --local-addr localhost)
 fi
 [[ -z "${RANKS:-}" ]] || args+=(--local-ranks-filter "$RANKS")
 # Logs in the repo's build/ rather than an empty torchelastic_* folder in the temp dir per run;

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import CODE, run_json, run_launcher
 
-LOSS_TOL = 1e-5    # per-step loss, data-parallel vs one process (the notebook's LOSS_TOL)
+LOSS_TOL = 1e-4    # per-step loss, data-parallel vs one process (the notebook's LOSS_TOL)
 GRAD_TOL = 1e-5    # averaged gradients vs one process's, every step
 WEIGHT_TOL = 1e-4  # weights after the last AdamW step
 EXERCISES = ["ex01_manual_ddp.py", "ex01_overlap.py"]

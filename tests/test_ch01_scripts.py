@@ -65,4 +65,4 @@ def test_notebook_at_three_processes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = json.dumps(nbformat.read(out, as_version=4).cells)
     assert "N=3: resumed run == uninterrupted run, every step, bit for bit: True" in text
-    assert re.search(r"N=3, batch 8 per rank: \d+ steps, max \|loss diff\| < 1e-05: True", text)
+    assert re.search(r"N=3, batch 8 per rank: \d+ steps, max \|loss diff\| < 0.0001: True", text)

@@ -12,6 +12,7 @@ nccl-tests report). On CPU + gloo this measures memory copies and loopback TCP, 
 InfiniBand, and a busy machine shows up as slow samples: hence the spread, not one number.
 """
 import argparse
+import statistics
 import time
 
 import torch
@@ -72,7 +73,7 @@ print0(f"{'size':>10} {'fastest':>10} {'median':>10} {'slowest':>10} {'busbw(fas
 for size, ts in zip(sizes, samples):
     ts = sorted(ts)
     busbw = 2 * (n - 1) / n * size / ts[0]
-    print0(f"{size / 1024:>8.0f}Ki {ts[0] * 1e3:>8.3f}ms {ts[len(ts) // 2] * 1e3:>8.3f}ms "
+    print0(f"{size / 1024:>8.0f}Ki {ts[0] * 1e3:>8.3f}ms {statistics.median(ts) * 1e3:>8.3f}ms "
            f"{ts[-1] * 1e3:>8.3f}ms {busbw / 1e9:>11.3f}GB/s")
 write_json(args.json, {"world_size": n, "backend": env.backend, "iters": args.iters,
                        "sizes": sizes, "samples": samples})

@@ -1,16 +1,18 @@
 """BatchNorm under DDP: each rank normalises with its own batch, and DDP overwrites every rank's
-running statistics with rank 0's at the start of each forward.
+running statistics with rank 0's at the start of each training forward.
 
     code/run_w_torchrun.sh 2 ch01_ddp/batchnorm_ddp.py
 
 Every rank can compute the single-process reference itself (the data are generated), so the
 script compares, on every rank:
 1. the batch statistics BatchNorm used against those of the global batch;
-2. the global statistics computed the way nn.SyncBatchNorm does: all_gather each rank's
-   [mean, variance, count] (counts may differ between ranks, so an all_reduce of means would be
-   wrong) and combine them; nn.SyncBatchNorm itself refuses CPU tensors in its own forward;
-3. DDP's buffer sync (forward_sync_buffers, formerly broadcast_buffers, on by default): at the
-   start of every forward rank 0's buffers (here BatchNorm's running_mean) are broadcast.
+2. the global statistics combined from every rank's [mean, variance, count], all-gathered (counts
+   may differ between ranks, so an all_reduce of means would be wrong). nn.SyncBatchNorm
+   gathers [mean, invstd, count] to the same effect; in training mode with a process group it
+   refuses CPU tensors in its own forward, so on CPU the script does the combination by hand;
+3. DDP's buffer sync (forward_sync_buffers, on by default; the deprecated broadcast_buffers=False
+   also skipped the broadcast at construction): at the start of every forward that follows a
+   synchronised backward, rank 0's buffers (here BatchNorm's running_mean) are broadcast.
 """
 import argparse
 

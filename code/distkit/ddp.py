@@ -11,8 +11,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 class CommLog:
     """Attach with `CommLog.attach(ddp_model)`; read `summary(ddp_model)` after training.
 
-    DDP calls the hook as soon as a bucket's gradients are all computed, while backward is
-    still running for earlier layers: that is the overlap of communication and computation.
+    DDP calls the hook once all of a bucket's gradients are computed (and every bucket before
+    it has been launched: buckets go out in a fixed order, the same on every rank), while
+    backward is still running for earlier layers: that is the overlap of communication and
+    computation.
     """
 
     def __init__(self):

@@ -46,6 +46,7 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     Returns nothing: the output is already on screen, and results come back as JSON files.
     """
     cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
+    launch.count += 1
     # printed relative to the repo root, so the output reads the same on every machine
     print("$ code/run_w_torchrun.sh", shlex.join([str(nproc), script, *map(_shown, args)]),
           flush=True)
@@ -63,12 +64,20 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     if expect_failure:
         if status == 0:
             raise AssertionError(f"expected {script} to fail, but it succeeded")
-        # the exception lines of the ranks ("[rank1]: " once the process group is up)
+        # Where each rank was: its traceback's frames in the course's own code (with the line
+        # of code), then the exception lines ("[rank1]: " once the process group is up).
+        frame = re.compile(r'(\[rank\d+\]: )?\s+File "' + re.escape(str(ROOT)) + r'/(code/.*)')
+        where = [(m.group(1) or "") + '  File "' + m.group(2) + "\n" + nxt
+                 for ln, nxt in zip(lines, lines[1:] + [""]) if (m := frame.match(ln))]
         errors = sorted({ln for ln in lines
                          if re.match(r"(\[rank\d+\]: )?\w*(Error|Exception): ", ln)})
-        print("".join(errors) + f"=> failed with exit status {status}, as expected")
+        print("".join(sorted(where, key=lambda w: w.split(":")[0]) + errors)
+              + f"=> failed with exit status {status}, as expected")
     elif status:
         raise subprocess.CalledProcessError(status, cmd, "".join(lines))
+
+
+launch.count = 0  # launches so far in this kernel: a notebook's last cell reports them
 
 
 def diff(before: str | os.PathLike, after: str | os.PathLike, context: int = 3) -> str:

@@ -49,7 +49,7 @@ else:
 torch.testing.assert_close(total, expected)
 print0(f"S = {size:,} bytes, N = {n}; ring: every rank sends 2(N-1)/N*S = "
        f"{2 * (n - 1) / n * size:,.0f}")
-print_ranks(f"sent {sent:,} received {received:,} bytes ({(sent + received) / size:.0f} S)")
+print_ranks(f"sent {sent:,} received {received:,} bytes ({sent / size:.0f} S out, {received / size:.0f} S in)")
 print0("result == dist.all_reduce: True")
 counts = [None] * n
 dist.all_gather_object(counts, (sent, received))

@@ -53,7 +53,7 @@ for p in params:  # ...until rank 0's are broadcast, as DDP does at construction
     dist.broadcast(p.detach(), src=0)
 # Buffers are model state too, used by forward but not trained (BatchNorm's running statistics;
 # here only the rotary embedding's inv_freq, computed the same on every rank anyway): DDP
-# broadcasts them at construction, and with broadcast_buffers=True before every forward too.
+# broadcasts them at construction, and (forward_sync_buffers=True, the default) before forwards.
 for b in buffers:
     dist.broadcast(b, src=0)
 identical["broadcast"] = same_on_all_ranks(params + buffers)
