@@ -73,6 +73,21 @@ def run_json(tmp_path, nproc, script, *args):
     return json.loads(out.read_text()), proc.stdout
 
 
+def run_scripts_at_once(runs: dict) -> dict:
+    """Start scripts in code/ with plain Python, all at once, without torchrun: for --help, bad
+    input and one-process runs (each costs a torch import, not a launch). `runs` maps a name to
+    (script relative to code/, args, extra env); returns name -> (exit status, stdout, stderr)."""
+    procs = {}
+    for name, (script, args, env) in runs.items():
+        env = {**env, "MASTER_PORT": str(free_port())} if "RANK" in env else env
+        procs[name] = subprocess.Popen(
+            [sys.executable, str(CODE / script), *map(str, args)], text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=launcher_env({"PYTHONPATH": str(CODE), **env}))
+    done = {name: p.communicate(timeout=120) for name, p in procs.items()}
+    return {name: (procs[name].returncode, out, err) for name, (out, err) in done.items()}
+
+
 def write_notebook(path, *sources) -> Path:
     """A notebook with one code cell per source, for testing the harness itself."""
     nb = nbformat.v4.new_notebook()

@@ -13,9 +13,8 @@ import sys
 import nbformat
 import pytest
 
-from conftest import CODE, ROOT, free_port, launcher_env, run_launcher
+from conftest import ROOT, launcher_env, run_launcher, run_scripts_at_once
 
-CH00 = CODE / "ch00_collectives"
 NOTEBOOK = ROOT / "notebooks" / "00_torchrun_and_collectives.ipynb"
 # The environment torchrun gives a one-process run, for starting a script without torchrun.
 ONE_RANK = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
@@ -50,22 +49,16 @@ DIRECT = {
 
 @pytest.fixture(scope="module")
 def direct_runs():
-    """Start every DIRECT run at once (each costs a torch import, not a torchrun launch)."""
-    procs = {}
-    for name, (script, args, env, _) in DIRECT.items():
-        env = {**env, "MASTER_PORT": str(free_port())} if "RANK" in env else env
-        procs[name] = subprocess.Popen(
-            [sys.executable, str(CH00 / script), *map(str, args)], text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=launcher_env({"PYTHONPATH": str(CODE), **env}))
-    return {name: (p, *p.communicate(timeout=120)) for name, p in procs.items()}
+    """Every DIRECT run, started at once."""
+    return run_scripts_at_once({name: (f"ch00_collectives/{script}", args, env)
+                                for name, (script, args, env, _) in DIRECT.items()})
 
 
 @pytest.mark.parametrize("name", DIRECT)
 def test_direct_run(direct_runs, name):
-    proc, out, err = direct_runs[name]
+    returncode, out, err = direct_runs[name]
     status, text = DIRECT[name][3]
-    assert proc.returncode == status, f"{name}: exit {proc.returncode}\n{out}\n{err}"
+    assert returncode == status, f"{name}: exit {returncode}\n{out}\n{err}"
     assert text in (out if status == 0 else err), f"{name}:\n{out}\n{err}"
     if name.startswith("starter_") and status == 1:  # one line, not a traceback
         assert err.strip().splitlines() == [err.strip().splitlines()[-1]]

@@ -1,7 +1,6 @@
 """Chapter 01 beyond what its notebook's nbval run proves: bad input, and the whole notebook at
 another world size (NPROC=3: uneven sampler padding, and resume made exact at N > 2)."""
 import json
-import os
 import re
 import subprocess
 import sys
@@ -10,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from conftest import CODE, ROOT, launcher_env
+from conftest import CODE, ROOT, launcher_env, run_scripts_at_once
 
 BAD_INPUT = [  # script, args, extra env, what the one-line error must say
     ("train_single.py", ["--batch-size", "0"], {}, "--batch-size"),
@@ -27,13 +26,10 @@ BAD_INPUT = [  # script, args, extra env, what the one-line error must say
 
 def test_bad_input_one_line_error():
     """Argument checks run before setup(), so plain python shows them (all at once: faster)."""
-    procs = [subprocess.Popen([sys.executable, str(CODE / "ch01_ddp" / script), *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(CODE), **env})
-             for script, args, env, _ in BAD_INPUT]
-    for proc, (script, args, _, message) in zip(procs, BAD_INPUT):
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 2, (script, args, err)
+    runs = run_scripts_at_once({i: (f"ch01_ddp/{script}", args, env)
+                                for i, (script, args, env, _) in enumerate(BAD_INPUT)})
+    for (returncode, _, err), (script, args, _, message) in zip(runs.values(), BAD_INPUT):
+        assert returncode == 2, (script, args, err)
         assert message in err.strip().splitlines()[-1], (script, args, err)
 
 

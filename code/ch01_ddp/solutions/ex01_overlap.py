@@ -28,6 +28,8 @@ from distkit import print0, seed_everything, setup, teardown, write_json
 from distkit.toy import counting_data, tiny_llama
 
 MODES = ("flat", "per-param", "bucketed")
+# Against one process: float32 rounding differs (sums in another order), bugs differ by far more.
+TOL = {"losses": 1e-5, "grads": 1e-5, "weights": 1e-4}
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--modes", default=",".join(MODES),
                     help="comma-separated, from: " + ", ".join(MODES))
@@ -201,8 +203,8 @@ num_tensors = len(list(model.parameters()))
 grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 print0(f"{num_tensors} parameter tensors, {grad_bytes:,} gradient bytes; {args.steps} steps per "
        f"mode on {N} processes x {b} sequences")
-print0(f"same as one process x {N * b} sequences: max |diff| < 1e-5 for losses and gradients, "
-       f"< 1e-4 for weights")
+print0(f"same as one process x {N * b} sequences: max |diff| < {TOL['losses']:g} for losses and "
+       f"gradients, < {TOL['weights']:g} for weights")
 print0(f"{'mode':10} {'all_reduces/step':>16} {'bytes = gradients':>17} {'losses':>7} "
        f"{'grads':>6} {'weights':>8}")
 results = {}
@@ -248,8 +250,8 @@ for mode in modes:
     }
     counts = ",".join(map(str, sorted(set(r["calls_per_step"]))))
     exact = set(r["bytes_per_step"]) == {grad_bytes}
-    print0(f"{mode:10} {counts:>16} {exact!s:>17} {r['max_loss_diff'] < 1e-5!s:>7} "
-           f"{r['max_grad_diff'] < 1e-5!s:>6} {r['max_weight_diff'] < 1e-4!s:>8}")
+    print0(f"{mode:10} {counts:>16} {exact!s:>17} {r['max_loss_diff'] < TOL['losses']!s:>7} "
+           f"{r['max_grad_diff'] < TOL['grads']!s:>6} {r['max_weight_diff'] < TOL['weights']!s:>8}")
     if mode == "bucketed":
         r["buckets"] = [sum(p.numel() * p.element_size() for p in bk) for bk in sync.buckets]
         r["bucket_tensors"] = [len(bk) for bk in sync.buckets]
