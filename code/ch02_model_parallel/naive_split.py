@@ -5,8 +5,10 @@
 Rank r holds a contiguous slice of the layers; rank 0 also holds the embedding, the last rank
 the final norm, the LM head and the loss. Activations go forward with send/recv, and their
 gradients come back the same way. Otherwise this is chapter 01's train_single.py, step for step
-(new lines say # NEW), so its losses must match train_single.py's up to float rounding. Each
-rank notes when it computes, and the timeline shows the catch: one rank works at a time.
+(new lines say # NEW), so its losses must match train_single.py's up to float rounding; on
+1 process it *is* train_single.py (one stage holds everything and sends nothing), which makes
+it the reference for any --layers. Each rank notes when it computes, and the timeline shows the
+catch: one rank works at a time.
 """
 import argparse
 import os
@@ -31,8 +33,8 @@ args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))  # NEW: one slice of the layers per process
 if args.batch_size < 1 or args.samples < args.batch_size:
     parser.error("need 1 <= --batch-size <= --samples")
-if world < 2 or args.layers % world:
-    parser.error(f"--layers {args.layers} must split evenly into N >= 2 processes, got N={world}")
+if args.layers < 1 or args.layers % world:
+    parser.error(f"--layers {args.layers} must split evenly into N={world} processes")
 
 env = setup()  # NEW
 seed_everything(args.seed)
@@ -53,6 +55,7 @@ hidden_shape = (args.batch_size, data.tensors[0].shape[1], model.config.hidden_s
 
 timeline = Timeline()  # NEW: when this rank computes
 timeline.start()
+sent = 0  # NEW: bytes this rank sends to its neighbours
 losses = []
 for epoch in range(args.epochs):
     shuffle.manual_seed(args.seed + epoch)  # a different order every epoch, the same every run
@@ -71,6 +74,7 @@ for epoch in range(args.epochs):
                 loss = lm_loss(out, tokens)  # mean cross-entropy, next token
         if not is_last:
             dist.send(out.detach(), dst=env.rank + 1)
+            sent += out.nbytes
         # NEW, backward: the last stage starts it from the loss; the others from the gradient
         # of their output, which the next stage sends back
         if is_last:
@@ -83,6 +87,7 @@ for epoch in range(args.epochs):
                 out.backward(grad)
         if not is_first:
             dist.send(x.grad, dst=env.rank - 1)
+            sent += x.grad.nbytes
         with timeline.span("step", step):  # every rank updates its own layers, all at once
             optimizer.step()
             optimizer.zero_grad()
@@ -95,8 +100,10 @@ for epoch in range(args.epochs):
     print0(f"epoch {epoch}  step {(epoch + 1) * len(loader):3d}  loss {epoch_loss.item():.3f}")
 
 spans = timeline.gather()  # NEW: every rank's compute spans, to draw the timeline
-box = [losses]
+box, sent_per_rank = [losses], [None] * env.world_size
 dist.broadcast_object_list(box, src=env.world_size - 1)
-write_json(args.json, {"losses": box[0], "spans": spans, "layers": [
-    split_layers(model.config.num_hidden_layers, env.world_size)[r] for r in range(env.world_size)]})
+dist.all_gather_object(sent_per_rank, sent // len(box[0]))
+write_json(args.json, {"losses": box[0], "spans": spans, "sent_bytes_per_step": sent_per_rank,
+                       "activation_bytes": args.batch_size * hidden_shape[1] * hidden_shape[2] * 4,
+                       "layers": split_layers(args.layers, env.world_size)})
 teardown()

@@ -354,7 +354,579 @@ def ddp(n: int = 2):
     return fig
 
 
-DIAGRAMS = {"torchrun": torchrun, "ring_allreduce": ring_allreduce, "ddp": ddp}
+# --- chapter 02: model parallelism --------------------------------------------------------
+
+F_AMOUNT, B_AMOUNT = 0.3, 0.7  # timelines: the rank's colour, light for F and dark for B
+WRONG, RIGHT = "#b22222", "#2e7d32"  # pipedream_staleness: a wrong gradient, a consistent one
+
+
+def _rank_region(ax, x, y, w, h, rank, head, note=""):
+    """A rank's part of a picture: a faint box in its colour, with 'rank r' and a note on top."""
+    color = RANK_COLORS[rank % 10]
+    _box(ax, x, y, w, h, face=_tint(color, 0.1), edge=color, lw=1.4, round_=0.1, zorder=0)
+    ax.text(x + 0.12, y + h - 0.2, head, fontsize=FONT + 1, fontweight="bold", color=color,
+            va="center")
+    if note:
+        ax.text(x + w - 0.12, y + h - 0.2, note, fontsize=SMALL, color="0.3", va="center",
+                ha="right")
+
+
+def _slot(ax, x, y, w, h, kind, rank, text, *, bold=False, size=FONT):
+    """One block of a schematic timeline: F (light), B (dark), idle (dashed) or a step."""
+    color = RANK_COLORS[rank % 10]
+    if kind == "idle":
+        _box(ax, x, y, w, h, text, face="white", edge=FAINT, ls="--", color="0.45",
+             size=size, round_=0.03)
+        return
+    face = {"F": _tint(color, F_AMOUNT), "B": _tint(color, B_AMOUNT), "step": "white"}[kind]
+    tc = "white" if kind == "B" else INK
+    _box(ax, x, y, w, h, text, face=face, edge="black" if bold else color,
+         lw=2.4 if bold else 1.0, color=tc, size=size, round_=0.03)
+
+
+def model_parallel():
+    """Naive model parallelism on 2 ranks: the layers split in two, one rank busy at a time."""
+    width, height = 10.6, 6.1
+    fig, ax = _canvas(width, height)
+    _title(ax, width / 2, height - 0.3, "Naive model parallelism on 2 ranks: "
+           "each rank holds some of the layers")
+
+    # the model, cut in two: rank 0 runs the first layers, rank 1 the rest and the loss
+    ry, rh, bh = height - 2.75, 1.95, 0.8     # regions: bottom, height; layer boxes: height
+    regions = ((0, 0.15, 3.7, ("embedding", "layer 0", "layer 1")),
+               (1, 5.75, 4.7, ("layer 2", "layer 3", "norm", "head\n+ loss")))
+    by = ry + 0.45
+    ends = {}
+    for rank, x0, w, layers in regions:
+        color = RANK_COLORS[rank]
+        _rank_region(ax, x0, ry, w, rh, rank, f"rank {rank}",
+                     "its layers' weights, grads, optimizer state")
+        bw, gap = 0.95, (w - 0.3 - len(layers) * 0.95) / (len(layers) - 1)
+        xs = [x0 + 0.15 + i * (bw + gap) for i in range(len(layers))]
+        for i, (x, name) in enumerate(zip(xs, layers)):
+            _box(ax, x, by, bw, bh, name, face=_tint(color, 0.35), edge=color, lw=1.4)
+            if i:
+                _arrow(ax, (xs[i - 1] + bw, by + bh / 2), (x, by + bh / 2), mutation=10)
+        ends[rank] = (xs[0], xs[-1] + bw)
+        # what comes in from the data loader: the inputs on rank 0, the labels on rank 1
+        feed = "input ids [B,S]" if rank == 0 else "labels [B,S]"
+        fx = xs[0] + bw / 2 if rank == 0 else xs[-1] + bw / 2
+        _arrow(ax, (fx, ry - 0.35), (fx, by), color="0.35")
+        ax.text(fx + 0.1, ry - 0.22, feed, fontsize=SMALL, color="0.3", va="center")
+    # between the ranks: activations forward, their gradients backward (point to point)
+    x0, x1 = ends[0][1], ends[1][0]
+    mid = (x0 + x1) / 2
+    fy, gy = by + bh * 0.72, by + bh * 0.28
+    _arrow(ax, (x0, fy), (x1, fy), color=RANK_COLORS[0], lw=2.0)
+    _arrow(ax, (x1, gy), (x0, gy), color=RANK_COLORS[1], lw=2.0)
+    ax.text(mid, fy + 0.38, "forward:\nactivations [B,S,h]\nsend → recv", ha="center",
+            va="center", fontsize=SMALL, color=RANK_COLORS[0], linespacing=1.25)
+    ax.text(mid, gy - 0.38, "backward:\ntheir gradients [B,S,h]\nrecv ← send", ha="center",
+            va="center", fontsize=SMALL, color=RANK_COLORS[1], linespacing=1.25)
+
+    # one step on a schematic timeline: F then B, one rank at a time
+    unit, tx = 1.2, 1.15                      # inches per forward; where time 0 is
+    lane_h, l0, l1 = 0.5, 1.45, 0.8           # lane height; lane bottoms of rank 0, rank 1
+    ax.text(width / 2, 2.35, "One training step on a timeline (schematic, not measured): "
+            "one rank always idles", ha="center", va="center", fontsize=FONT + 1,
+            fontweight="bold", color=INK)
+    plan = {0: [("F", 0, 1, "F"), ("idle", 1, 4, "idle: waits for rank 1"), ("B", 4, 6, "B"),
+                ("step", 6, 6.45, "step")],
+            1: [("idle", 0, 1, "idle"), ("F", 1, 2, "F"), ("B", 2, 4, "B"),
+                ("step", 4, 4.45, "step"), ("idle", 4.45, 6.45, "idle: its part is done")]}
+    for rank, y in ((0, l0), (1, l1)):
+        ax.text(tx - 0.15, y + lane_h / 2, f"rank {rank}", ha="right", va="center",
+                fontsize=FONT, fontweight="bold", color=RANK_COLORS[rank])
+        for kind, t0, t1, text in plan[rank]:
+            _slot(ax, tx + t0 * unit + 0.02, y, (t1 - t0) * unit - 0.04, lane_h, kind, rank,
+                  text, size=SMALL if kind == "step" else FONT)
+    # the two messages of the step: activations at t = 1, gradients at t = 4
+    _arrow(ax, (tx + unit, l0), (tx + unit, l1 + lane_h), color=RANK_COLORS[0], lw=1.6,
+           mutation=10)
+    _arrow(ax, (tx + 4 * unit, l1 + lane_h), (tx + 4 * unit, l0), color=RANK_COLORS[1], lw=1.6,
+           mutation=10)
+    end = tx + 6.45 * unit
+    _arrow(ax, (tx, 0.52), (end + 0.1, 0.52), color="0.35", lw=1.0, mutation=9)
+    ax.text(tx, 0.3, "time →  (schematic: backward ≈ 2 × forward; F = forward, B = backward, "
+            "step = optimizer on its own layers)", fontsize=SMALL, color="0.3", va="center")
+    ax.text(end + 0.3, (l0 + l1 + lane_h) / 2, "each rank is busy\n~1/2 of the step;\n"
+            "N equal stages:\nbusy 1/N, idle (N−1)/N", fontsize=SMALL + 0.5, va="center",
+            color=INK, linespacing=1.3)
+    return fig
+
+
+def _async_1f1b(slots: int):
+    """2-stage 1F1B without flushes (PipeDream): {stage: {slot: (kind, micro-batch)}}."""
+    plan = {0: {0: ("F", 1), 1: ("F", 2)}, 1: {}}   # stage 0 warms up with 2 forwards
+    m_f, m_b = 3, 1
+    for t in range(3, slots):            # then, from slot 3: B1, F3, B2, F4, B3, ...
+        if t % 2:
+            plan[0][t], m_b = ("B", m_b), m_b + 1
+        else:
+            plan[0][t], m_f = ("F", m_f), m_f + 1
+    for t in range(1, slots):            # stage 1: F1, B1, F2, B2, ... (one slot behind)
+        plan[1][t] = ("F" if t % 2 else "B", (t + 1) // 2)
+    return plan
+
+
+def pipedream_staleness():
+    """Weight staleness in an asynchronous pipeline, weight stashing, and the synchronous fix."""
+    slots, sw, gx = 11, 0.78, 1.45           # time slots, slot width, grid's left edge
+    lane_h, band_h = 0.46, 0.24
+    panel_h = 2.3
+    width, height = gx + slots * sw + 0.25, 0.75 + 3 * panel_h + 0.7
+    fig, ax = _canvas(width, height)
+    _title(ax, width / 2, height - 0.3, "Weight staleness in a 2-stage pipeline: "
+           "which weights does micro-batch 2's backward use?")
+    async_plan = _async_1f1b(slots)
+    sync_plan = {0: {0: ("F", 1), 1: ("F", 2), 3: ("B", 1), 4: ("F", 3), 5: ("B", 2),
+                     6: ("F", 4), 7: ("B", 3), 9: ("B", 4)},
+                 1: {1: ("F", 1), 2: ("B", 1), 3: ("F", 2), 4: ("B", 2), 5: ("F", 3),
+                     6: ("B", 3), 7: ("F", 4), 8: ("B", 4)}}
+    panels = [  # heading, schedule, mode, (note in colour, note in grey)
+        ("1   Asynchronous 1F1B (PipeDream), no stashing: "
+         "each stage updates its weights after every backward", async_plan, "async",
+         ("micro-batch 2: forward with W1, backward with W2 → wrong gradient "
+          "(activations of W1, weights of W2)", WRONG,
+          "Stage 1 (the last) runs each B right after its F: no update in between. "
+          "No flush: no idle slot after the warm-up")),
+        ("2   Weight stashing (PipeDream): keep the version each forward used, "
+         "for that micro-batch's backward", async_plan, "stash",
+         ("B2 uses the stashed W1 → consistent gradient, applied to the newest weights "
+          "(one update late)", RIGHT,
+          "Memory: one weight copy per in-flight micro-batch (2 on stage 0 here)")),
+        ("3   GPipe / 1F1B, synchronous: flush at the end of the step, then one update",
+         sync_plan, "sync",
+         ("every micro-batch of the step sees W1 (gradients accumulate): no staleness", RIGHT,
+          "The price: idle slots (the bubble). Drawn: 1F1B; GPipe (all F, then all B) "
+          "follows the same rule")),
+    ]
+    for p, (head, plan, mode, (note, note_color, more)) in enumerate(panels):
+        top = height - 0.75 - p * panel_h
+        ax.text(0.15, top - 0.05, head, fontsize=FONT, fontweight="bold", color=INK,
+                va="center")
+        band_y = top - 0.45
+        l0 = band_y - 0.06 - lane_h          # stage 0 lane bottom
+        l1 = l0 - 0.08 - lane_h              # stage 1 lane bottom
+        # stage 0's weight version over time: a new version after each of its backwards
+        version, versions = 1, []
+        for t in range(slots):
+            versions.append(version)
+            kind = plan[0].get(t, ("", 0))[0]
+            if kind == "B" and mode != "sync":
+                version += 1
+        stashed = {}                          # micro-batch -> version its forward used
+        ax.text(gx - 0.1, band_y + band_h / 2, "stage 0 weights", ha="right", va="center",
+                fontsize=SMALL, color="0.3")
+        start = 0
+        last = slots - 1 if mode == "sync" else slots
+        for t in range(1, last + 1):
+            if t == last or versions[t] != versions[start]:
+                face = "0.9" if versions[start] % 2 else "0.78"
+                ax.add_patch(Rectangle((gx + start * sw + 0.02, band_y), (t - start) * sw - 0.04,
+                                       band_h, facecolor=face, edgecolor="none", zorder=1))
+                ax.text(gx + (start + t) * sw / 2, band_y + band_h / 2, f"W{versions[start]}",
+                        ha="center", va="center", fontsize=SMALL, color=INK, zorder=2)
+                start = t
+        for stage, y in ((0, l0), (1, l1)):
+            ax.text(gx - 0.1, y + lane_h / 2, f"stage {stage} (rank {stage})", ha="right",
+                    va="center", fontsize=SMALL + 0.5, fontweight="bold",
+                    color=RANK_COLORS[stage])
+            for t in range(slots):
+                x = gx + t * sw + 0.02
+                if mode == "sync" and t == slots - 1:
+                    continue
+                if t not in plan[stage]:
+                    _slot(ax, x, y, sw - 0.04, lane_h, "idle", stage, "idle", size=SMALL)
+                    continue
+                kind, m = plan[stage][t]
+                text = f"{kind}{m}"
+                if stage == 0:
+                    if mode == "stash" and kind == "F":
+                        stashed[m] = versions[t]
+                        text += f"\nstash W{versions[t]}"
+                    elif mode == "stash":
+                        text += f"\nW{stashed[m]}"
+                    else:
+                        text += f"\nW{versions[t]}"
+                _slot(ax, x, y, sw - 0.04, lane_h, kind, stage, text, bold=m == 2,
+                      size=SMALL)
+        if mode == "sync":                    # the optimizer step after the flush
+            _box(ax, gx + (slots - 1) * sw + 0.02, l1, sw - 0.04, l0 + lane_h - l1,
+                 "optim.\nstep\nW1→W2", face="white", edge=INK, lw=1.4, size=SMALL)
+        # the mark on micro-batch 2's backward on stage 0
+        b2 = next(t for t, km in plan[0].items() if km == ("B", 2))
+        ax.text(gx + (b2 + 1) * sw - 0.06, l0 + lane_h - 0.02,
+                "✗" if mode == "async" else "✓", ha="right", va="top", fontsize=FONT + 2,
+                fontweight="bold", color=note_color, zorder=5)
+        ax.text(gx, l1 - 0.2, note, fontsize=SMALL + 0.5, color=note_color, va="center")
+        ax.text(gx, l1 - 0.45, more, fontsize=SMALL + 0.5, color="0.3", va="center")
+    # the time axis
+    ay = 0.55
+    _arrow(ax, (gx, ay), (gx + slots * sw, ay), color="0.35", lw=1.0, mutation=9)
+    for t in range(slots):
+        ax.text(gx + (t + 0.5) * sw, ay + 0.13, str(t + 1), ha="center", va="center",
+                fontsize=SMALL, color="0.3")
+    ax.text(gx, ay - 0.22, "time slot →  (schematic: F = forward, B = backward of micro-batch "
+            "k, one slot each; bold: micro-batch 2)", fontsize=SMALL, color="0.3",
+            va="center")
+    return fig
+
+
+def _lanes(ax, x, w, lanes, texts, *, size=SMALL + 0.5, face_amount=0.3):
+    """One box per rank lane at x, in the rank's colour (different on every rank)."""
+    for rank, ((y, h), text) in enumerate(zip(lanes, texts)):
+        color = RANK_COLORS[rank]
+        _box(ax, x, y, w, h, text, face=_tint(color, face_amount), edge=color, lw=1.4,
+             size=size)
+
+
+def _comm(ax, x, w, y, h, text, *, forward=True, size=FONT):
+    """A communication op spanning the lanes: yellow when it moves bytes in the forward pass,
+    white with a dashed yellow edge when it is the identity forward (it moves bytes backward)."""
+    if forward:
+        _box(ax, x, y, w, h, text, face=STORE_FACE, edge=STORE_EDGE, lw=1.6, color=STORE_INK,
+             size=size)
+    else:
+        _box(ax, x, y, w, h, text, face="white", edge=STORE_EDGE, lw=1.6, ls="--",
+             color=STORE_INK, size=size)
+
+
+def _tp_block(ax, top, head, lane_heads, cols, texts, in_text, out_text):
+    """One tensor-parallel block on 2 ranks: replicated input, norm, f, column-parallel,
+    the op in between, row-parallel, g, replicated output. Returns the output box's
+    (x, y, w, h)."""
+    lane_h, label_h = 0.85, 0.24
+    ax.text(cols[1][0], top, head, fontsize=FONT, fontweight="bold", color=INK, va="center")
+    y0 = top - 0.2 - label_h - lane_h                 # rank 0's lane bottom
+    y1 = y0 - label_h - lane_h                        # rank 1's lane bottom
+    lanes = ((y0, lane_h), (y1, lane_h))
+    bottom, height = y1, y0 + lane_h - y1
+    mid = bottom + height / 2
+    x_in, x_norm, x_f, x_col, x_op, x_row, x_g, x_out = cols
+    _box(ax, x_in[0], bottom, x_in[1], height, in_text, face=SHARED, size=SMALL + 0.5)
+    _box(ax, x_norm[0], bottom, x_norm[1], height, "RMSNorm\n\nthe same\non every\nrank",
+         face=SHARED, size=SMALL + 0.5)
+    _comm(ax, x_f[0], x_f[1], bottom, height, "f", forward=False, size=FONT + 4)
+    _comm(ax, x_g[0], x_g[1], bottom, height, "g", size=FONT + 4)
+    _box(ax, x_out[0], bottom, x_out[1], height, out_text, face=SHARED, size=SMALL + 0.5)
+    for rank, (y, h) in enumerate(lanes):
+        ax.text(x_col[0], y + h + label_h / 2, lane_heads[rank], fontsize=SMALL + 0.5,
+                fontweight="bold", color=RANK_COLORS[rank], va="center")
+    for (x, w), text in zip((x_col, x_op, x_row), texts):
+        _lanes(ax, x, w, lanes, text)
+    _arrow(ax, (x_in[0] + x_in[1], mid), (x_norm[0], mid), mutation=10)
+    _arrow(ax, (x_norm[0] + x_norm[1], mid), (x_f[0], mid), mutation=10)
+    _arrow(ax, (x_g[0] + x_g[1], mid), (x_out[0], mid), mutation=10)
+    for y, h in lanes:
+        m = y + h / 2
+        for (xa, wa), (xb, _) in zip((x_f, x_col, x_op, x_row), (x_col, x_op, x_row, x_g)):
+            _arrow(ax, (xa + wa, m), (xb, m), color=INK, mutation=10)
+    return x_out[0], bottom, x_out[1], height
+
+
+def tensor_parallel():
+    """Megatron-style tensor parallelism of a transformer layer on 2 ranks."""
+    width, height = 10.5, 8.1
+    fig, ax = _canvas(width, height)
+    _title(ax, width / 2, height - 0.3, "Tensor parallelism (Megatron-LM) on N = 2 ranks: "
+           "one transformer layer")
+    # (x, width) of: input, norm, f, column-parallel, op, row-parallel, g, output
+    cols = ((0.15, 0.95), (1.35, 0.85), (2.45, 0.42), (3.15, 1.65), (5.12, 1.3),
+            (6.74, 1.55), (8.6, 0.42), (9.3, 1.05))
+    out = _tp_block(
+        ax, height - 0.8, "Attention block:  q, k, v column-parallel (each rank computes "
+        "H/N of the H heads),  o_proj row-parallel",
+        ("rank 0:  heads 0 … H/2−1", "rank 1:  heads H/2 … H−1"), cols,
+        (["q, k, v proj\ncolumn-parallel\nW: h × h/N each\n→ [B,S,h/N]"] * 2,
+         ["attention\non its H/N\nheads\n→ [B,S,h/N]"] * 2,
+         ["o_proj\nrow-parallel\nW: h/N × h\n→ partial [B,S,h]"] * 2),
+        "x\n[B,S,h]\n\nthe same\non every\nrank", "[B,S,h]\n\nsummed:\nthe same\non every\n"
+        "rank\n\n+ residual")
+    mlp_top = height - 3.75
+    _tp_block(
+        ax, mlp_top, "MLP block:  gate, up column-parallel (h_ff/N output features each),  "
+        "down row-parallel (those h_ff/N inputs)",
+        ("rank 0:  features 0 … h_ff/2−1", "rank 1:  features h_ff/2 … h_ff−1"), cols,
+        (["gate, up proj\ncolumn-parallel\nW: h × h_ff/N each\n→ [B,S,h_ff/N]"] * 2,
+         ["SiLU(gate) · up\nelementwise:\nno comm\n→ [B,S,h_ff/N]"] * 2,
+         ["down_proj\nrow-parallel\nW: h_ff/N × h\n→ partial [B,S,h]"] * 2),
+        "[B,S,h]\n\nthe same\non every\nrank", "[B,S,h]\n\nsummed:\nthe same\non every\n"
+        "rank\n\n+ residual")
+    # the attention block's output is the MLP block's input
+    x, y, w, _ = out
+    turn = mlp_top + 0.27
+    ax.plot([x + w / 2, x + w / 2], [y, turn], color="0.45", lw=1.1, ls="--")
+    ax.plot([x + w / 2, cols[0][0] + cols[0][1] / 2], [turn, turn], color="0.45", lw=1.1,
+            ls="--")
+    _arrow(ax, (cols[0][0] + cols[0][1] / 2, turn), (cols[0][0] + cols[0][1] / 2,
+           mlp_top - 0.44 + 0.0), color="0.45", lw=1.1, ls="--", mutation=10)
+
+    # what f and g do, and what they cost
+    ky, kh = 0.55, 1.05
+    keys = ((0.15, False, "f  before each block",
+             "forward: identity (x is already on every rank)\n"
+             "backward: all-reduce, sums the ranks'\ngradients of x  [B,S,h]"),
+            (5.3, True, "g  after each block",
+             "forward: all-reduce, sums the partial\noutputs  [B,S,h]  (row-parallel: "
+             "y = y₀ + y₁)\nbackward: identity (the gradient is replicated)"))
+    for x, fwd, head, body in keys:
+        _box(ax, x, ky, 5.05, kh, face="white", edge="0.55", round_=0.04)
+        _comm(ax, x + 0.15, 0.3, ky + kh - 0.38, 0.26, "", forward=fwd)
+        ax.text(x + 0.6, ky + kh - 0.25, head, fontsize=FONT, fontweight="bold",
+                va="center", color=INK)
+        ax.text(x + 0.15, ky + 0.36, body, fontsize=SMALL + 0.5, va="center", color=INK,
+                linespacing=1.3)
+    ax.text(width / 2, 0.3, "Per block: exactly one all-reduce of [B,S,h] in the forward (g) "
+            "and one in the backward (f); per layer (attention + MLP): 2 + 2", ha="center",
+            va="center", fontsize=FONT, color=INK, fontweight="bold")
+    ax.text(width / 2, 0.05, "B batch,  S sequence,  h hidden,  h_ff MLP hidden,  H heads,  "
+            "N ranks;  W in y = xW.  Grey: the same on every rank;  colour: different per rank",
+            ha="center", va="center", fontsize=SMALL + 0.5, color="0.3")
+    return fig
+
+
+def sequence_parallel():
+    """Sequence parallelism around a tensor-parallel MLP block on 2 ranks."""
+    width, height = 10.5, 6.1
+    fig, ax = _canvas(width, height)
+    _title(ax, width / 2, height - 0.3, "Sequence parallelism (Korthikanti et al. 2022) around "
+           "a tensor-parallel block, N = 2")
+    # (x, width) of: input, norm, all-gather, full input, column-par., row-par., reduce-scatter, out
+    c_in, c_norm, c_ag, c_full, c_col, c_row, c_rs, c_out = (
+        (0.25, 0.95), (1.45, 1.0), (2.72, 0.78), (3.77, 0.95), (5.0, 1.5), (6.77, 1.4),
+        (8.44, 0.78), (9.47, 0.88))
+    lane_h, label_h = 0.9, 0.24
+    region_top = height - 0.75
+    y0 = region_top - 0.55 - label_h - lane_h
+    y1 = y0 - label_h - lane_h
+    lanes = ((y0, lane_h), (y1, lane_h))
+    bottom, span = y1, y0 + lane_h - y1
+    mid = bottom + span / 2
+    # the regions: split along the sequence outside, tensor-parallel inside
+    reg_bottom = bottom - 0.75
+    for (xa, _), (xb, wb), label in (
+            (c_in, c_norm, "sequence-parallel region:\n[B,S/N,h] per rank, split along S"),
+            (c_full, c_row, "tensor-parallel region (as without SP):\nweights split, "
+             "input on every rank"),
+            (c_out, c_out, "sequence-\nparallel")):
+        _box(ax, xa - 0.1, reg_bottom, xb + wb - xa + 0.2, region_top - reg_bottom,
+             face="0.965", edge="0.7", round_=0.08, zorder=0)
+        ax.text((xa + xb + wb) / 2, region_top - 0.27, label, ha="center", va="center",
+                fontsize=SMALL + 0.5, color="0.3", linespacing=1.25)
+    tokens = ("tokens 0 … S/2−1", "tokens S/2 … S−1")
+    for rank, (y, h) in enumerate(lanes):
+        color = RANK_COLORS[rank]
+        ax.text(c_in[0], y + h + label_h / 2, f"rank {rank}:  {tokens[rank]}",
+                fontsize=SMALL + 0.5, fontweight="bold", color=color, va="center")
+        ax.text(c_col[0], y + h + label_h / 2, f"rank {rank}:  {('first', 'second')[rank]} "
+                "h_ff/N features", fontsize=SMALL + 0.5, fontweight="bold", color=color,
+                va="center")
+    _lanes(ax, *c_in, lanes, [f"x\n[B,S/N,h]\n{t.split(' ', 1)[1]}" for t in tokens])
+    _lanes(ax, *c_norm, lanes, ["RMSNorm\non its S/N\ntokens"] * 2)
+    _comm(ax, *c_ag, bottom, span, "all-\ngather\nalong S")
+    _box(ax, *c_full[:1], bottom, c_full[1], span, "[B,S,h]\n\nall S\ntokens,\nthe same\n"
+         "on every\nrank", face=SHARED, size=SMALL + 0.5)
+    _lanes(ax, *c_col, lanes, ["gate, up proj\ncolumn-parallel\n+ SiLU(gate) · up\n"
+                               "→ [B,S,h_ff/N]"] * 2)
+    _lanes(ax, *c_row, lanes, ["down_proj\nrow-parallel\n→ partial\n[B,S,h]"] * 2)
+    _comm(ax, *c_rs, bottom, span, "reduce-\nscatter\nalong S")
+    _lanes(ax, *c_out, lanes, ["[B,S/N,h]\ndropout\n+ residual"] * 2)
+    _arrow(ax, (c_ag[0] + c_ag[1], mid), (c_full[0], mid), mutation=10)
+    for y, h in lanes:
+        m = y + h / 2
+        for (xa, wa), (xb, _) in ((c_in, c_norm), (c_norm, c_ag), (c_full, c_col),
+                                  (c_col, c_row), (c_row, c_rs), (c_rs, c_out)):
+            _arrow(ax, (xa + wa, m), (xb, m), mutation=10)
+    notes = (((c_in[0], c_norm[0] + c_norm[1] - c_in[0]),
+              "norm, dropout: token by token,\nso no communication"),
+             (c_ag, "replaces f\n(backward:\nreduce-scatter)"),
+             (c_rs, "replaces g\n(backward:\nall-gather)"))
+    for (x, w), text in notes:
+        ax.text(x + w / 2, bottom - 0.1, text, ha="center", va="top", fontsize=SMALL,
+                color=STORE_INK if text.startswith("repl") else "0.3", linespacing=1.25)
+
+    # what it costs and what it saves
+    ky, kh = 0.15, 1.25
+    keys = ((0.15, "Communication: the same bytes",
+             "TP: g all-reduces [B,S,h] (M bytes): a ring sends\n"
+             "2(N−1)/N · M per rank. TP + SP: a reduce-scatter\n"
+             "and an all-gather, (N−1)/N · M each: the same sum,\n"
+             "since an all-reduce = reduce-scatter + all-gather"),
+            (5.35, "Activations outside the TP region: 1/N",
+             "TP: the norm, dropout and residual inputs are\n"
+             "[B,S,h], a full copy on every rank.\n"
+             "TP + SP: [B,S/N,h] per rank, split along the\n"
+             "sequence: 1/N of the memory each"))
+    for x, head, body in keys:
+        _box(ax, x, ky, 5.0, kh, face="white", edge="0.55", round_=0.04)
+        ax.text(x + 0.15, ky + kh - 0.22, head, fontsize=FONT, fontweight="bold",
+                va="center", color=INK)
+        ax.text(x + 0.15, ky + 0.5, body, fontsize=SMALL + 0.5, va="center", color=INK,
+                linespacing=1.3)
+    return fig
+
+
+def _layer_column(ax, x, y, w, layers, rank, *, face=None, text="layer {}"):
+    """A stack of layer boxes, layer 0 at the bottom; `layers` = which layers (None: a gap)."""
+    h, gap = 0.3, 0.07
+    color = RANK_COLORS[rank]
+    for i, layer in enumerate(layers):
+        if layer is None:
+            continue
+        _box(ax, x, y + i * (h + gap), w, h, text.format(layer), size=SMALL,
+             face=face or _tint(color, 0.35), edge=INK if face else color, lw=1.2, round_=0.04)
+    return [y + i * (h + gap) for i in range(len(layers))], h
+
+
+def parallelisms():
+    """What DP, PP and TP each split, and how they combine on a 2 x 2 x 2 device mesh."""
+    width, height = 10.5, 8.8
+    fig, ax = _canvas(width, height)
+    _title(ax, width / 2, height - 0.3, "Three ways to split training over ranks, "
+           "and how they combine")
+    # --- top: one panel per technique, each on 2 ranks --------------------------------------
+    pw, ph, ptop = 3.3, 4.4, height - 0.65
+    col_w, stack_y = 0.95, ptop - 2.2
+    panels = (
+        ("Data parallel (DP)", "the batch", "the whole model\n(grey: the same on both)",
+         "all-reduce of gradients,\nonce per step, during\nthe backward"),
+        ("Pipeline parallel (PP)", "the layers, into stages", "its consecutive layers",
+         "send/recv of activations\nand of their gradients,\nneighbouring stages only"),
+        ("Tensor parallel (TP)", "each layer's weights", "a slice of every layer",
+         "all-reduce of activations\nin every block, both ways:\nthe most traffic"))
+    for p, (head, splits, holds, comm) in enumerate(panels):
+        px = 0.15 + p * (pw + 0.15)
+        _box(ax, px, ptop - ph, pw, ph, face="white", edge="0.55", round_=0.06, zorder=0)
+        ax.text(px + pw / 2, ptop - 0.25, head, ha="center", va="center", fontsize=FONT + 1,
+                fontweight="bold", color=INK)
+        x0, x1 = px + 0.2, px + pw - 0.2 - col_w
+        gap_x, gap_w = x0 + col_w + 0.08, x1 - x0 - col_w - 0.16   # between the columns
+        for rank, x in enumerate((x0, x1)):
+            ax.text(x + col_w / 2, stack_y + 1.62, f"rank {rank}", ha="center", va="center",
+                    fontsize=SMALL + 0.5, fontweight="bold", color=RANK_COLORS[rank])
+        feed_y = stack_y - 0.5
+        if p == 0:     # DP: the same 4 layers on both ranks, half of the batch each
+            for rank, x in enumerate((x0, x1)):
+                _layer_column(ax, x, stack_y, col_w, range(4), rank, face=SHARED)
+                _box(ax, x, feed_y, col_w, 0.32, f"batch half {rank}", size=SMALL,
+                     face=_tint(RANK_COLORS[rank], 0.35), edge=RANK_COLORS[rank], round_=0.04)
+                _arrow(ax, (x + col_w / 2, feed_y + 0.32), (x + col_w / 2, stack_y),
+                       mutation=9)
+            _comm(ax, gap_x + 0.05, gap_w - 0.1, stack_y, 1.41, "all-\nreduce\ngrads",
+                  size=SMALL)
+        elif p == 1:   # PP: layers 0-1 on rank 0, layers 2-3 on rank 1
+            ys, h = _layer_column(ax, x0, stack_y, col_w, (0, 1, None, None), 0)
+            _layer_column(ax, x1, stack_y, col_w, (None, None, 2, 3), 1)
+            _box(ax, x0, feed_y, col_w, 0.32, "micro-batches", size=SMALL, face=SHARED,
+                 round_=0.04)
+            _arrow(ax, (x0 + col_w / 2, feed_y + 0.32), (x0 + col_w / 2, stack_y), mutation=9)
+            _arrow(ax, (x0 + col_w + 0.05, ys[1] + h / 2), (x1 - 0.05, ys[2] + h / 2),
+                   style="<|-|>", color=INK, lw=1.6, mutation=11)
+            ax.text(gap_x + gap_w / 2, ys[1] - 0.08, "send/recv", ha="center", va="center",
+                    fontsize=SMALL, color=INK)
+        else:          # TP: half of every layer on each rank, an all-reduce per block
+            for rank, x in enumerate((x0, x1)):
+                ys, h = _layer_column(ax, x, stack_y, col_w, range(4), rank,
+                                      text="½ of layer {}")
+            for y in ys:
+                _comm(ax, gap_x, gap_w, y + 0.02, h - 0.04, "all-reduce", size=SMALL)
+            _box(ax, x0, feed_y, x1 + col_w - x0, 0.32, "the whole batch, on both ranks",
+                 size=SMALL, face=SHARED, round_=0.04)
+            for x in (x0, x1):
+                _arrow(ax, (x + col_w / 2, feed_y + 0.32), (x + col_w / 2, stack_y),
+                       mutation=9)
+        ty = feed_y - 0.22
+        for label, text in (("splits:", splits), ("each rank:", holds), ("talks:", comm)):
+            ax.text(px + 0.15, ty, label, fontsize=SMALL + 0.5, fontweight="bold", va="top",
+                    color=INK)
+            ax.text(px + 1.05, ty, text, fontsize=SMALL + 0.5, va="top", color=INK,
+                    linespacing=1.25)
+            ty -= 0.2 * (text.count("\n") + 1) + 0.1
+    # --- bottom: 8 ranks on a (pp, dp, tp) = (2, 2, 2) mesh -------------------------------
+    mtop = ptop - ph - 0.3
+    ax.text(0.15, mtop - 0.1, "Combined: 8 ranks on a 2 (PP) × 2 (DP) × 2 (TP) device mesh,  "
+            "rank = 4·pp + 2·dp + tp", fontsize=FONT + 1, fontweight="bold", color=INK,
+            va="center")
+    cell_w, cell_h, pad = 0.7, 0.4, 0.08
+    pill_w, pill_h, stage_w, stage_h = 2 * cell_w + 3 * pad, cell_h + 2 * pad, 2.5, 2.2
+    stage_x = (0.15, 0.15 + stage_w + 0.85)
+    stage_y = mtop - 0.4 - stage_h
+    cells, pills = {}, {}
+    for pp, sx in enumerate(stage_x):
+        _box(ax, sx, stage_y, stage_w, stage_h, face="0.97", edge="0.55", round_=0.08, zorder=0)
+        ax.text(sx + stage_w / 2, stage_y + stage_h - 0.22,
+                f"pp = {pp}: layers {('0 … L/2−1', 'L/2 … L−1')[pp]}", ha="center",
+                va="center", fontsize=SMALL + 0.5, fontweight="bold", color=INK)
+        # the pills face each other across the gap between the stages, the labels outside
+        qx = sx + stage_w - pill_w - 0.12 if pp == 0 else sx + 0.12
+        lx = sx + 0.12 if pp == 0 else qx + pill_w + 0.12
+        for dp in range(2):
+            py = stage_y + stage_h - 0.5 - pill_h - dp * (pill_h + 0.45)
+            ax.text(lx, py + pill_h / 2, f"dp = {dp}\nbatch\nhalf {dp}", fontsize=SMALL,
+                    va="center", color="0.3", linespacing=1.15)
+            _box(ax, qx, py, pill_w, pill_h, face=STORE_FACE, edge=STORE_EDGE, lw=1.2,
+                 round_=0.1)
+            pills[pp, dp] = (qx, py)
+            for tp in range(2):
+                rank = 4 * pp + 2 * dp + tp
+                cx = qx + pad + tp * (cell_w + pad)
+                _box(ax, cx, py + pad, cell_w, cell_h, f"rank {rank}", size=SMALL + 0.5,
+                     face="white", edge=INK, lw=1.0, round_=0.04, zorder=2)
+                cells[rank] = (cx, py + pad)
+    # DP: matching ranks of the two replicas all-reduce gradients (vertical arrows);
+    # PP: matching ranks of the two stages send/recv (horizontal arrows)
+    for rank in (0, 1, 4, 5):
+        (x, y), (_, y2) = cells[rank], cells[rank + 2]
+        _arrow(ax, (x + cell_w / 2, y - pad - 0.02), (x + cell_w / 2, y2 + cell_h + pad + 0.02),
+               style="<|-|>", color=STORE_EDGE, lw=1.4, mutation=9)
+    for dp in range(2):
+        (qx0, py), (qx1, _) = pills[0, dp], pills[1, dp]
+        _arrow(ax, (qx0 + pill_w + 0.02, py + pill_h / 2), (qx1 - 0.02, py + pill_h / 2),
+               style="<|-|>", color=INK, lw=1.4, mutation=9)
+        ax.text((qx0 + pill_w + qx1) / 2, py + pill_h / 2 + 0.16, "send/recv", ha="center",
+                va="center", fontsize=SMALL, color=INK)
+    # the legend: which ranks form each group, what it splits, what it sends
+    lx, ly = stage_x[1] + stage_w + 0.35, mtop - 0.55
+    groups = (
+        ("tp", "tp, innermost: {0,1} {2,3} {4,5} {6,7}",
+         "splits each layer's weights; an all-reduce in\nevery block: neighbouring ranks, "
+         "one node,\nthe fastest links (NVLink)"),
+        ("dp", "dp: {0,2} {1,3} {4,6} {5,7}",
+         "splits the batch; all-reduce of gradients once\nper step (FSDP: all-gather + "
+         "reduce-scatter)"),
+        ("pp", "pp, outermost: {0,4} {1,5} {2,6} {3,7}",
+         "splits the layers; point-to-point send/recv of\nboundary activations and their "
+         "gradients:\nlittle data, fine across nodes"))
+    for kind, head, body in groups:
+        if kind == "tp":
+            _box(ax, lx, ly - 0.1, 0.26, 0.2, face=STORE_FACE, edge=STORE_EDGE, lw=1.2,
+                 round_=0.05)
+        elif kind == "dp":
+            _arrow(ax, (lx + 0.13, ly - 0.13), (lx + 0.13, ly + 0.13), style="<|-|>",
+                   color=STORE_EDGE, lw=1.4, mutation=8)
+        else:
+            _arrow(ax, (lx, ly), (lx + 0.26, ly), style="<|-|>", color=INK, lw=1.4,
+                   mutation=8)
+        ax.text(lx + 0.38, ly, head, fontsize=SMALL + 0.5, fontweight="bold", va="center",
+                color=INK)
+        ax.text(lx + 0.38, ly - 0.17, body, fontsize=SMALL + 0.5, va="top", color=INK,
+                linespacing=1.25)
+        ly -= 0.36 + 0.19 * (body.count("\n") + 1)
+    ax.text(0.15, stage_y - 0.28, 'init_device_mesh("cuda", (2, 2, 2), '
+            'mesh_dim_names=("pp", "dp", "tp"))', fontsize=SMALL, family=MONO, va="center",
+            color=INK)
+    ax.text(0.15, stage_y - 0.56, "Dimension order as in torchtitan and Megatron-LM: TP "
+            "innermost (its all-reduces stay inside a node), PP outermost, DP in between.",
+            fontsize=SMALL + 0.5, va="center", color="0.3")
+    return fig
+
+DIAGRAMS = {"torchrun": torchrun, "ring_allreduce": ring_allreduce, "ddp": ddp,
+            "model_parallel": model_parallel,
+            "pipedream_staleness": pipedream_staleness,
+            "tensor_parallel": tensor_parallel,
+            "sequence_parallel": sequence_parallel,
+            "parallelisms": parallelisms}
 
 
 def main(argv=None) -> None:

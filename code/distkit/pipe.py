@@ -173,3 +173,35 @@ class SavedActivations:
 
     def __exit__(self, *exc):
         return self._hooks.__exit__(*exc)
+
+
+def idle_breakdown(spans_per_rank: list[list[tuple]]) -> list[dict]:
+    """Per rank, its idle time split by what it waited for, as fractions of the run:
+
+    - "bubble": waiting for work that another stage had not finished yet (forward i needs
+      stage r-1's forward i; backward i needs stage r+1's backward i), and, after its last
+      span, for the other stages to finish. This is what (p-1)/(m+p-1) counts.
+    - "transfer": waiting after that work was done, while the result travelled (send, receive,
+      waking up), and any other gap (the schedule's own bookkeeping).
+    A pipeline with free communication would have no "transfer"; the formula assumes that.
+    """
+    begin = min(s[2] for spans in spans_per_rank for s in spans)
+    end = max(s[3] for spans in spans_per_rank for s in spans)
+    done = {(r, kind, mb): stop for r, spans in enumerate(spans_per_rank)
+            for kind, mb, _, stop in spans}
+    last = len(spans_per_rank) - 1
+    out = []
+    for r, spans in enumerate(spans_per_rank):
+        bubble = transfer = 0.0
+        prev = begin
+        for kind, mb, start, stop in spans:
+            producer = {"F": (r - 1, "F", mb), "B": (r + 1, "B", mb)}.get(kind)
+            ready = done.get(producer) if producer and 0 <= producer[0] <= last else None
+            wait = max(0.0, start - prev)
+            moving = wait if ready is None else min(wait, max(0.0, start - max(prev, ready)))
+            transfer += moving
+            bubble += wait - moving
+            prev = max(prev, stop)
+        bubble += end - prev  # drained: nothing left to do on this stage
+        out.append({"bubble": bubble / (end - begin), "transfer": transfer / (end - begin)})
+    return out

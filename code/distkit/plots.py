@@ -76,3 +76,73 @@ def plot_ring_schedule(schedule: list[list[int]]):
         ax.spines[side].set_visible(False)
     fig.tight_layout()
     return fig
+
+
+SPAN_STYLE = {"F": ("forward", "#4C9BE8"), "B": ("backward", "#F28E2B"),
+              "L": ("loss", "#59A14F"), "step": ("optimizer step", "0.55")}
+
+
+def plot_timeline(spans_per_rank, ax=None, title="", t_from=0.0, t_to=None, labels=True):
+    """A Gantt chart of what each rank computed when, from a run's spans (kind, micro-batch,
+    start s, end s): one row per rank, blank = idle. Forward/backward boxes show the
+    micro-batch number when they are wide enough."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 0.6 * len(spans_per_rank) + 1.2))
+    t_to = t_to if t_to is not None else max(s[3] for spans in spans_per_rank for s in spans)
+    scale = 1e3  # ms
+    for r, spans in enumerate(spans_per_rank):
+        y = len(spans_per_rank) - 1 - r
+        for kind, mb, start, end in spans:
+            if end < t_from or start > t_to:
+                continue
+            _, color = SPAN_STYLE.get(kind, (kind, "0.3"))
+            x0, width = (start - t_from) * scale, (end - start) * scale
+            ax.add_patch(Rectangle((x0, y + 0.1), width, 0.8, facecolor=color,
+                                   edgecolor="black", linewidth=0.4))
+            if labels and kind in ("F", "B") and width > 0.025 * (t_to - t_from) * scale:
+                ax.text(x0 + width / 2, y + 0.5, str(mb), ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, (t_to - t_from) * scale)
+    ax.set_ylim(0, len(spans_per_rank))
+    ax.set_yticks([len(spans_per_rank) - 1 - r + 0.5 for r in range(len(spans_per_rank))],
+                  [f"rank {r}" for r in range(len(spans_per_rank))])
+    ax.set_xlabel("time (ms, CPU/gloo)")
+    kinds = {s[0] for spans in spans_per_rank for s in spans}
+    ax.legend(handles=[Rectangle((0, 0), 1, 1, facecolor=SPAN_STYLE[k][1], edgecolor="black",
+                                 linewidth=0.4, label=SPAN_STYLE[k][0])
+                       for k in SPAN_STYLE if k in kinds] +
+              [Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", linewidth=0.4,
+                         label="idle")],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return ax
+
+
+def plot_bubbles(runs, stages: int, ax=None):
+    """Measured idle fraction per stage count of micro-batches m (one marker per schedule and
+    rank; a line through the schedule's mean) against the formula (p-1)/(m+p-1)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    ms = sorted({r["m"] for r in runs})
+    grid = [m / 10 for m in range(10, 10 * max(ms) + 1)]
+    ax.plot(grid, [(stages - 1) / (m + stages - 1) for m in grid], color="black",
+            label=r"theory $(p-1)/(m+p-1)$")
+    for i, schedule in enumerate(dict.fromkeys(r["schedule"] for r in runs)):
+        mine = sorted((r for r in runs if r["schedule"] == schedule), key=lambda r: r["m"])
+        color = RANK_COLORS[i]
+        ax.plot([r["m"] for r in mine], [r["idle_mean"] for r in mine], "o-", color=color,
+                label=f"{schedule}: measured, mean of stages")
+        for r in mine:
+            ax.scatter([r["m"]] * len(r["idle"]), r["idle"], color=color, marker="_", s=120)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.set_xlabel("micro-batches per step, m")
+    ax.set_ylabel("idle fraction of the step")
+    ax.set_ylim(0, 0.6)
+    ax.set_title(f"Pipeline bubble on {stages} stages: measured (CPU/gloo) vs theory "
+                 "(dashes: each stage)", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ax

@@ -1,0 +1,104 @@
+"""Exercise 02.1 (solution): GPipe by hand, naive_split.py with micro-batches, over send/recv.
+
+    code/run_w_torchrun.sh 2 ch02_model_parallel/solutions/ex02_gpipe_by_hand.py --microbatches 4
+
+Cut every batch into m micro-batches. All forwards first: each stage runs micro-batch i and
+sends its activations on with isend (not send: the stage goes on with micro-batch i+1 while
+they travel), keeping every micro-batch's input and output for the backward. Then all
+backwards, in the same order, each one sending its input gradient back. The loss of the step
+is the mean of the micro-batches' losses, so each micro-batch's loss is divided by m before its
+backward: the accumulated gradients are then those of the whole batch's mean loss, and the
+losses match train_single.py's. It is what ScheduleGPipe does (pipeline.py), written out.
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, RandomSampler
+
+from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit.pipe import LlamaStage, Timeline, lm_loss, split_layers
+from distkit.toy import counting_data, tiny_llama
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
+parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--layers", type=int, default=2, help="decoder layers (train_single.py's: 2)")
+parser.add_argument("--json", help="write per-step losses and every rank's compute spans here")
+args = parser.parse_args()
+world = int(os.environ.get("WORLD_SIZE", 1))
+if args.batch_size < 1 or args.samples < args.batch_size:
+    parser.error("need 1 <= --batch-size <= --samples")
+if world < 2 or args.layers % world:
+    parser.error(f"--layers {args.layers} must split evenly into N >= 2 processes, got N={world}")
+if args.microbatches < 1 or args.batch_size % args.microbatches:
+    parser.error(f"--microbatches must be >= 1 and divide --batch-size {args.batch_size}")
+
+env = setup()
+seed_everything(args.seed)
+model = tiny_llama(layers=args.layers)
+first, last = split_layers(model.config.num_hidden_layers, env.world_size)[env.rank]
+stage = LlamaStage(model, first, last).to(env.device)
+is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
+optimizer = torch.optim.AdamW(stage.parameters(), lr=args.lr)
+data = counting_data(args.samples)
+shuffle = torch.Generator()
+sampler = RandomSampler(data, generator=shuffle)
+loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+m = args.microbatches
+mb_shape = (args.batch_size // m, data.tensors[0].shape[1], model.config.hidden_size)
+
+timeline = Timeline()
+timeline.start()
+losses = []
+for epoch in range(args.epochs):
+    shuffle.manual_seed(args.seed + epoch)
+    for step, (tokens,) in enumerate(loader):
+        micro = tokens.to(env.device).chunk(m)  # m micro-batches of batch_size/m sequences
+        inputs, outputs, sends = [], [], []
+        for i in range(m):  # all forwards
+            if is_first:
+                x = micro[i]
+            else:
+                x = torch.empty(mb_shape, device=env.device)
+                dist.recv(x, src=env.rank - 1)
+                x.requires_grad_()
+            with timeline.span("F", i):
+                out = stage(x)
+                if is_last:
+                    out = lm_loss(out, micro[i]) / m  # this micro-batch's share of the mean
+            if not is_last:
+                sends.append(dist.isend(out.detach(), dst=env.rank + 1))
+            inputs.append(x)
+            outputs.append(out)
+        for i in range(m):  # all backwards, in the same order
+            if is_last:
+                with timeline.span("B", i):
+                    outputs[i].backward()  # gradients add up over the micro-batches
+            else:
+                grad = torch.empty_like(outputs[i])
+                dist.recv(grad, src=env.rank + 1)
+                with timeline.span("B", i):
+                    outputs[i].backward(grad)
+            if not is_first:
+                sends.append(dist.isend(inputs[i].grad, dst=env.rank - 1))
+        for work in sends:  # a buffer must not be freed before its send is done
+            work.wait()
+        optimizer.step()
+        optimizer.zero_grad()
+        if is_last:
+            losses.append(sum(out.item() for out in outputs))
+    epoch_loss = torch.tensor(losses[-1] if is_last else 0.0)
+    dist.broadcast(epoch_loss, src=env.world_size - 1)
+    print0(f"epoch {epoch}  step {(epoch + 1) * len(loader):3d}  loss {epoch_loss.item():.3f}")
+
+spans = timeline.gather()
+box = [losses]
+dist.broadcast_object_list(box, src=env.world_size - 1)
+write_json(args.json, {"losses": box[0], "microbatches": m, "spans": spans})
+teardown()

@@ -1,0 +1,107 @@
+"""Chapter 02's pipeline scripts beyond what its notebook's nbval run proves: distkit.pipe's
+pieces in-process, the N=1 reference against chapter 01's train_single.py, bad input, and the
+GPipe-by-hand exercise (starter stops at its TODO). The notebook asserts naive/pipeline/exercise
+parity and the bubble and memory figures at N=2."""
+import json
+
+import pytest
+import torch
+
+from conftest import CODE, run_launcher, run_scripts_at_once
+from distkit.pipe import (LlamaStage, SavedActivations, idle_breakdown, idle_fractions,
+                          lm_loss, split_layers)
+from distkit.toy import counting_data, tiny_llama
+
+SCRIPTS = ["naive_split.py", "pipeline.py", "pipeline_bench.py",
+           "exercises/ex02_gpipe_by_hand.py", "solutions/ex02_gpipe_by_hand.py"]
+TWO = {"WORLD_SIZE": "2"}
+BAD_INPUT = [  # script, args, extra env, what the one-line error must say
+    ("naive_split.py", ["--layers", "3"], TWO, "--layers 3 must split evenly into N=2"),
+    ("naive_split.py", ["--batch-size", "0"], {}, "--batch-size"),
+    ("pipeline.py", ["--microbatches", "3"], TWO, "divide --batch-size 16"),
+    ("pipeline.py", ["--microbatches", "1"], TWO, "must be >= N=2"),
+    ("pipeline.py", ["--schedules", "gpipe,zb"], TWO, "unknown schedule(s) zb"),
+    ("pipeline_bench.py", ["--unbalanced", "5,2"], TWO, "adding up to --layers 8"),
+    ("pipeline_bench.py", ["--hidden", "100"], TWO, "multiple of 64"),
+    ("pipeline_bench.py", ["--microbatches", "2,x"], TWO, "comma-separated integers"),
+    ("solutions/ex02_gpipe_by_hand.py", ["--microbatches", "5"], TWO, "divide --batch-size 16"),
+]
+
+
+def test_split_layers():
+    assert split_layers(8, 2) == [(0, 4), (4, 8)]
+    assert split_layers(8, [6, 2]) == [(0, 6), (6, 8)]
+    for bad in (3, [4, 3], [8, 0]):
+        with pytest.raises(ValueError):
+            split_layers(8, bad)
+
+
+def test_stages_compute_the_models_own_loss():
+    """The stages, chained, are the model: the same logits and LlamaForCausalLM's own loss."""
+    torch.manual_seed(0)
+    model = tiny_llama(layers=4)
+    (tokens,) = counting_data(4)[:]
+    x = tokens
+    for first, last in split_layers(4, [1, 2, 1]):
+        x = LlamaStage(model, first, last)(x)
+    out = model(input_ids=tokens, labels=tokens)
+    torch.testing.assert_close(x, out.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lm_loss(x, tokens), out.loss, rtol=0, atol=1e-6)
+
+
+def test_saved_activations_counts_one_micro_batch_per_forward():
+    """Peak saved bytes grow with the forwards kept alive and drop to zero after backward."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    stage = LlamaStage(model, 0, 2)
+    (tokens,) = counting_data(8)[:]
+    with SavedActivations(stage) as one:
+        lm_loss(stage(tokens[:4]), tokens[:4]).backward()
+    with SavedActivations(stage) as two:
+        losses = [lm_loss(stage(t), t) for t in tokens.split(4)]  # GPipe-style: both alive
+        sum(losses).backward()
+    assert one.peak > 0 and one.now == 0 and two.now == 0
+    assert abs(two.peak - 2 * one.peak) < 0.01 * one.peak  # shared: a few small tensors
+
+
+def test_idle_fractions_and_breakdown():
+    # rank 0: F0 0-1, B0 4-6; rank 1: F0 2-3 (waits 1 s for the transfer), B0 3-4
+    spans = [[("F", 0, 0.0, 1.0), ("B", 0, 4.0, 6.0)], [("F", 0, 2.0, 3.0), ("B", 0, 3.0, 4.0)]]
+    assert idle_fractions(spans) == pytest.approx([0.5, 4 / 6])
+    rank0, rank1 = idle_breakdown(spans)
+    assert rank0 == pytest.approx({"bubble": 3 / 6, "transfer": 0.0})
+    assert rank1 == pytest.approx({"bubble": 3 / 6, "transfer": 1 / 6})
+
+
+def test_help_is_whole_sentences():
+    for script in SCRIPTS:
+        first = (CODE / "ch02_model_parallel" / script).read_text().split('"""')[1].split("\n\n")[0]
+        assert first.rstrip().endswith("."), f"{script}: --help shows {first!r}"
+
+
+def test_bad_input_and_the_one_process_reference(tmp_path):
+    """All at once, plain Python: bad input stops before setup(); naive_split.py on one process
+    (a process group of 1, no torchrun) must reproduce chapter 01's train_single.py."""
+    one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}
+    runs = {i: (f"ch02_model_parallel/{script}", args, env)
+            for i, (script, args, env, _) in enumerate(BAD_INPUT)}
+    runs["naive1"] = ("ch02_model_parallel/naive_split.py", ["--json", tmp_path / "n1.json"], one)
+    runs["single"] = ("ch01_ddp/train_single.py", ["--json", tmp_path / "single.json"], {})
+    done = run_scripts_at_once(runs)
+    for i, (script, args, _, message) in enumerate(BAD_INPUT):
+        returncode, _, err = done[i]
+        assert returncode == 2, (script, args, err)
+        assert message in err.strip().splitlines()[-1], (script, args, err)
+    for name in ("naive1", "single"):
+        assert done[name][0] == 0, done[name][2]
+    naive = json.loads((tmp_path / "n1.json").read_text())["losses"]
+    single = json.loads((tmp_path / "single.json").read_text())["losses"]
+    assert len(naive) == len(single) == 32
+    assert max(abs(a - b) for a, b in zip(naive, single)) < 1e-6
+
+
+def test_gpipe_by_hand_starter_stops_at_its_todo():
+    proc = run_launcher(2, "ch02_model_parallel/exercises/ex02_gpipe_by_hand.py")
+    assert proc.returncode == 1
+    assert "TODO(you) at code/ch02_model_parallel/exercises/ex02_gpipe_by_hand.py" in proc.stderr
+    assert "the forward of micro-batch i" in proc.stderr
