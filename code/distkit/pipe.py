@@ -63,28 +63,30 @@ def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 class Timeline:
     """When this process computes: (kind, micro-batch, start s, end s) spans, for timelines.
 
-    Times are time.perf_counter() seconds from `start()`, which every rank calls right after a
-    barrier: the clocks then agree to within the barrier's exit skew (well under a millisecond
-    on one machine), far below the milliseconds a stage computes.
+    Every rank reads the same clock: time.time(), which all processes on one machine share
+    (and NTP keeps within a millisecond or so across machines), counted from rank 0's `start()`.
+    Each rank's own clock after a barrier would not do: ranks leave a barrier up to several
+    milliseconds apart (measured here on CPU/gloo), which would shift whole timelines.
     """
 
     def __init__(self):
-        self.t0 = time.perf_counter()
+        self.t0 = time.time()
         self.spans: list[tuple[str, int, float, float]] = []
 
     def start(self) -> None:
+        t0 = torch.tensor([time.time()], dtype=torch.float64)
         if dist.is_initialized():
-            dist.barrier()
-        self.t0 = time.perf_counter()
+            dist.broadcast(t0, src=0)  # also a barrier: nobody starts before rank 0 has
+        self.t0 = t0.item()
         self.spans = []
 
     @contextmanager
     def span(self, kind: str, microbatch: int = 0):
-        begin = time.perf_counter()
+        begin = time.time()
         try:
             yield
         finally:
-            self.spans.append((kind, microbatch, begin - self.t0, time.perf_counter() - self.t0))
+            self.spans.append((kind, microbatch, begin - self.t0, time.time() - self.t0))
 
     def gather(self) -> list[list[tuple]] | None:
         """Every rank's spans, on rank 0 (None elsewhere). Collective: all ranks call it."""
