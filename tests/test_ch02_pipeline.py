@@ -3,11 +3,14 @@ pieces in-process, the N=1 reference against chapter 01's train_single.py, bad i
 GPipe-by-hand exercise (starter stops at its TODO). The notebook asserts naive/pipeline/exercise
 parity and the bubble and memory figures at N=2."""
 import json
+import subprocess
+import sys
 
+import nbformat
 import pytest
 import torch
 
-from conftest import CODE, run_launcher, run_scripts_at_once
+from conftest import CODE, ROOT, launcher_env, run_launcher, run_scripts_at_once
 from distkit.pipe import (LlamaStage, SavedActivations, idle_breakdown, idle_fractions,
                           lm_loss, split_layers)
 from distkit.toy import counting_data, tiny_llama
@@ -105,3 +108,27 @@ def test_gpipe_by_hand_starter_stops_at_its_todo():
     assert proc.returncode == 1
     assert "TODO(you) at code/ch02_model_parallel/exercises/ex02_gpipe_by_hand.py" in proc.stderr
     assert "the forward of micro-batch i" in proc.stderr
+
+
+def test_notebook_rejects_bad_parameters(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "papermill", "notebooks/02_model_parallelism.ipynb",
+                           str(tmp_path / "out.ipynb"), "-p", "NPROC", "3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "LAYERS=2 must divide by NPROC=3" in proc.stderr + proc.stdout
+
+
+@pytest.mark.second_nproc
+def test_notebook_at_four_processes(tmp_path):
+    """Four stages (middle stages in every pipeline, 1F1B holding 4, 3, 2, 1 micro-batches) and
+    one attention head per tensor-parallel rank. On 2 cores the timing checks skip themselves."""
+    out = tmp_path / "out.ipynb"
+    proc = subprocess.run([sys.executable, "-m", "papermill", "notebooks/02_model_parallelism.ipynb",
+                           str(out), "-p", "NPROC", "4", "-p", "LAYERS", "4", "-p", "REPEATS", "1",
+                           "-y", "UNBALANCED: [3, 2, 2, 1]", "--no-progress-bar"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=launcher_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = json.dumps(nbformat.read(out, as_version=4).cells)
+    assert "1f1b m=8: peak per stage" in text and "[4, 3, 2, 1] micro-batches" in text
+    assert "4 stages, layers per rank [[0, 1], [1, 2], [2, 3], [3, 4]]" in text
+    assert "parity with the unsharded model in every plan: True" in text
