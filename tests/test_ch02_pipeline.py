@@ -1,8 +1,11 @@
 """Chapter 02's pipeline scripts beyond what its notebook's nbval run proves: distkit.pipe's
 pieces in-process, the N=1 reference against chapter 01's train_single.py, bad input, and the
 GPipe-by-hand exercise (starter stops at its TODO). The notebook asserts naive/pipeline/exercise
-parity and the bubble and memory figures at N=2."""
+parity and the bubble and memory figures at N=2; `make test-nproc` runs it at N=4.
+Budget: argument checks run in this process (no torch import per case); the three one-process
+runs start at once, without torchrun."""
 import json
+import runpy
 import subprocess
 import sys
 
@@ -10,7 +13,7 @@ import nbformat
 import pytest
 import torch
 
-from conftest import CODE, ROOT, launcher_env, run_launcher, run_scripts_at_once
+from conftest import CODE, ROOT, launcher_env, run_scripts_at_once
 from distkit.pipe import (LlamaStage, SavedActivations, idle_breakdown, idle_fractions,
                           lm_loss, split_layers)
 from distkit.toy import counting_data, tiny_llama
@@ -76,38 +79,49 @@ def test_idle_fractions_and_breakdown():
     assert rank1 == pytest.approx({"bubble": 3 / 6, "transfer": 1 / 6})
 
 
-def test_help_is_whole_sentences():
-    for script in SCRIPTS:
-        first = (CODE / "ch02_model_parallel" / script).read_text().split('"""')[1].split("\n\n")[0]
-        assert first.rstrip().endswith("."), f"{script}: --help shows {first!r}"
+def run_in_process(monkeypatch, capsys, script, *args):
+    """A script's argument checks, run here (they stop it before setup(), with exit status 2):
+    no new process, so no torch import to pay for."""
+    monkeypatch.setattr(sys, "argv", [str(CODE / "ch02_model_parallel" / script), *args])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(CODE / "ch02_model_parallel" / script), run_name="__main__")
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
 
 
-def test_bad_input_and_the_one_process_reference(tmp_path):
-    """All at once, plain Python: bad input stops before setup(); naive_split.py on one process
-    (a process group of 1, no torchrun) must reproduce chapter 01's train_single.py."""
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_is_whole_sentences(monkeypatch, capsys, script):
+    status, out, _ = run_in_process(monkeypatch, capsys, script, "--help")
+    first = out.split("\n\n")[1]  # after the usage lines: the docstring's first paragraph
+    assert status == 0 and first.rstrip().endswith("."), f"{script}: --help shows {first!r}"
+
+
+@pytest.mark.parametrize("script, args, env, message", BAD_INPUT)
+def test_bad_input_one_line_error(monkeypatch, capsys, script, args, env, message):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    status, _, err = run_in_process(monkeypatch, capsys, script, *args)
+    assert status == 2 and message in err.strip().splitlines()[-1], err
+
+
+def test_one_process_reference_and_the_starter(tmp_path):
+    """All at once, plain Python, no torchrun: naive_split.py on one process (a process group of
+    1) must reproduce chapter 01's train_single.py; the GPipe starter stops at its first TODO."""
     one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}
-    runs = {i: (f"ch02_model_parallel/{script}", args, env)
-            for i, (script, args, env, _) in enumerate(BAD_INPUT)}
-    runs["naive1"] = ("ch02_model_parallel/naive_split.py", ["--json", tmp_path / "n1.json"], one)
-    runs["single"] = ("ch01_ddp/train_single.py", ["--json", tmp_path / "single.json"], {})
-    done = run_scripts_at_once(runs)
-    for i, (script, args, _, message) in enumerate(BAD_INPUT):
-        returncode, _, err = done[i]
-        assert returncode == 2, (script, args, err)
-        assert message in err.strip().splitlines()[-1], (script, args, err)
+    done = run_scripts_at_once({
+        "naive1": ("ch02_model_parallel/naive_split.py", ["--json", tmp_path / "n1.json"], one),
+        "single": ("ch01_ddp/train_single.py", ["--json", tmp_path / "single.json"], {}),
+        "starter": ("ch02_model_parallel/exercises/ex02_gpipe_by_hand.py", [], one)})
     for name in ("naive1", "single"):
         assert done[name][0] == 0, done[name][2]
     naive = json.loads((tmp_path / "n1.json").read_text())["losses"]
     single = json.loads((tmp_path / "single.json").read_text())["losses"]
     assert len(naive) == len(single) == 32
     assert max(abs(a - b) for a, b in zip(naive, single)) < 1e-6
-
-
-def test_gpipe_by_hand_starter_stops_at_its_todo():
-    proc = run_launcher(2, "ch02_model_parallel/exercises/ex02_gpipe_by_hand.py")
-    assert proc.returncode == 1
-    assert "TODO(you) at code/ch02_model_parallel/exercises/ex02_gpipe_by_hand.py" in proc.stderr
-    assert "the forward of micro-batch i" in proc.stderr
+    status, _, err = done["starter"]
+    assert status == 1
+    assert "TODO(you) at code/ch02_model_parallel/exercises/ex02_gpipe_by_hand.py" in err
+    assert "the forward of micro-batch i" in err
 
 
 def test_notebook_rejects_bad_parameters(tmp_path):

@@ -48,8 +48,8 @@ args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))
 if args.batch_size < 1 or args.samples < args.batch_size:
     parser.error("need 1 <= --batch-size <= --samples")
-if world < 2 or args.layers % world:
-    parser.error(f"--layers {args.layers} must split evenly into N >= 2 processes, got N={world}")
+if args.layers < 1 or args.layers % world:
+    parser.error(f"--layers {args.layers} must split evenly into N={world} processes")
 if args.microbatches < 1 or args.batch_size % args.microbatches:
     parser.error(f"--microbatches must be >= 1 and divide --batch-size {args.batch_size}")
 
