@@ -13,7 +13,7 @@ import nbformat
 import pytest
 import torch
 
-from conftest import CODE, ROOT, launcher_env, run_scripts_at_once
+from conftest import CODE, ROOT, launcher_env, run_json, run_scripts_at_once
 from distkit.pipe import (LlamaStage, SavedActivations, idle_breakdown, idle_fractions,
                           lm_loss, split_layers)
 from distkit.toy import counting_data, tiny_llama
@@ -27,6 +27,7 @@ BAD_INPUT = [  # script, args, extra env, what the one-line error must say
     ("pipeline.py", ["--microbatches", "3"], TWO, "divide --batch-size 16"),
     ("pipeline.py", ["--microbatches", "1"], TWO, "must be >= N=2"),
     ("pipeline.py", ["--schedules", "gpipe,zb"], TWO, "unknown schedule(s) zb"),
+    ("pipeline.py", ["--layers", "0"], TWO, "--layers 0 must split evenly"),
     ("pipeline_bench.py", ["--unbalanced", "5,2"], TWO, "adding up to --layers 8"),
     ("pipeline_bench.py", ["--hidden", "100"], TWO, "multiple of 64"),
     ("pipeline_bench.py", ["--microbatches", "2,x"], TWO, "comma-separated integers"),
@@ -122,6 +123,23 @@ def test_one_process_reference_and_the_starter(tmp_path):
     assert status == 1
     assert "TODO(you) at code/ch02_model_parallel/exercises/ex02_gpipe_by_hand.py" in err
     assert "the forward of micro-batch i" in err
+
+
+def test_bench_on_two_stages(tmp_path):
+    """pipeline_bench.py at N=2 on a small model, one repeat: the memory it measures is exact
+    (GPipe keeps m micro-batches' saved activations, 1F1B p - r) and every setting has spans."""
+    res, _ = run_json(tmp_path, 2, "ch02_model_parallel/pipeline_bench.py", "--layers", 2,
+                      "--hidden", 64, "--mb-size", 2, "--seq", 16, "--microbatches", "1,4",
+                      "--repeats", 1, "--unbalanced", "")
+    assert [(r["schedule"], r["m"]) for r in res["runs"]] == [("gpipe", 1), ("gpipe", 4),
+                                                              ("1f1b", 4)]
+    for r in res["runs"]:
+        assert len(r["spans"]) == 2 and all(0 <= x < 1 for x in r["idle"])
+        assert sum(s[0] == "F" for s in r["spans"][0]) == r["m"]
+    one = res["memory"]["gpipe m=1"]["peak_activation_bytes"]
+    for key, expect in (("gpipe m=4", [4, 4]), ("1f1b m=4", [2, 1])):
+        peaks = res["memory"][key]["peak_activation_bytes"]
+        assert [round(p / o) for p, o in zip(peaks, one)] == expect, (key, peaks, one)
 
 
 def test_notebook_rejects_bad_parameters(tmp_path):

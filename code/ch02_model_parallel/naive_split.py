@@ -53,7 +53,7 @@ sampler = RandomSampler(data, generator=shuffle)
 loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 hidden_shape = (args.batch_size, data.tensors[0].shape[1], model.config.hidden_size)
 
-timeline = Timeline()  # NEW: when this rank computes
+timeline = Timeline(cuda=env.device.type == "cuda")  # NEW: when this rank computes (GPU: synced)
 timeline.start()
 sent = 0  # NEW: bytes this rank sends to its neighbours
 losses = []
@@ -94,7 +94,7 @@ for epoch in range(args.epochs):
         if is_last:
             losses.append(loss.item())
     # NEW: only the last rank has the loss; print on rank 0 as everywhere in the course
-    epoch_loss = torch.tensor(losses[-1] if is_last else 0.0)
+    epoch_loss = torch.tensor(losses[-1] if is_last else 0.0, device=env.device)
     dist.broadcast(epoch_loss, src=env.world_size - 1)
     # 3 decimals: further digits differ in the last float bits between CPUs and world sizes
     print0(f"epoch {epoch}  step {(epoch + 1) * len(loader):3d}  loss {epoch_loss.item():.3f}")

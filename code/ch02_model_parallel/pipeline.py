@@ -1,6 +1,6 @@
 """Chapter 02, pipeline parallelism: naive_split.py with micro-batches and a pipeline schedule.
 
-    code/run_w_torchrun.sh 2 ch02_model_parallel/pipeline.py --schedules gpipe,1f1b --json /tmp/pp.json
+    code/run_w_torchrun.sh 2 ch02_model_parallel/pipeline.py --schedules 1f1b --json /tmp/p.json
 
 The same stages as naive_split.py, but each batch is cut into --microbatches micro-batches,
 so that stage r can work on micro-batch i+1 while stage r+1 works on micro-batch i.
@@ -41,12 +41,13 @@ world = int(os.environ.get("WORLD_SIZE", 1))
 schedules = args.schedules.split(",")
 if args.batch_size < 1 or args.samples < args.batch_size:
     parser.error("need 1 <= --batch-size <= --samples")
-if world < 2 or args.layers % world:
+if world < 2 or args.layers < 1 or args.layers % world:
     parser.error(f"--layers {args.layers} must split evenly into N >= 2 processes, got N={world}")
 if unknown := sorted(set(schedules) - set(SCHEDULES)):  # NEW
     parser.error(f"unknown schedule(s) {', '.join(unknown)}; choose from {', '.join(SCHEDULES)}")
-if args.microbatches < world or args.batch_size % args.microbatches:  # NEW
-    parser.error(f"--microbatches must be >= N={world} (1F1B needs one per stage) "
+min_m = world if "1f1b" in schedules else 1  # NEW: 1F1B warms up with one per stage
+if args.microbatches < min_m or args.batch_size % args.microbatches:  # NEW
+    parser.error(f"--microbatches must be >= N={world} for 1F1B (one per stage), >= 1 for GPipe, "
                  f"and divide --batch-size {args.batch_size}")
 
 env = setup()
@@ -78,13 +79,14 @@ def train(schedule_name: str) -> list[float]:
                 schedule.step(tokens)  # the input
             elif is_last:
                 mb_losses = []
-                schedule.step(target=tokens, losses=mb_losses)  # the labels
+                # the labels; return_outputs=False: don't keep every micro-batch's logits
+                schedule.step(target=tokens, losses=mb_losses, return_outputs=False)
                 losses.append(torch.stack(mb_losses).mean().item())  # = the batch's mean loss
             else:
                 schedule.step()  # a middle stage only passes activations and gradients on
             optimizer.step()
             optimizer.zero_grad()
-        epoch_loss = torch.tensor(losses[-1] if is_last else 0.0)
+        epoch_loss = torch.tensor(losses[-1] if is_last else 0.0, device=env.device)
         dist.broadcast(epoch_loss, src=env.world_size - 1)
         print0(f"{schedule_name:5s} epoch {epoch}  step {(epoch + 1) * len(loader):3d}  "
                f"loss {epoch_loss.item():.3f}")

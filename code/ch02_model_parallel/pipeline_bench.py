@@ -43,14 +43,15 @@ parser.add_argument("--layers", type=int, default=8, help="decoder layers, split
 parser.add_argument("--hidden", type=int, default=256)
 parser.add_argument("--mb-size", type=int, default=4, help="sequences per micro-batch")
 parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
-parser.add_argument("--repeats", type=int, default=5, help="timed steps per setting (the fastest is kept)")
+parser.add_argument("--repeats", type=int, default=5,
+                    help="timed steps per setting (the fastest is kept)")
 parser.add_argument("--unbalanced", type=int_list, default=[6, 2],
                     help="layers per stage for the unbalanced run (1F1B, largest m); '' to skip")
 parser.add_argument("--json", help="write the measurements here")
 args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))
 schedules = args.schedules.split(",")
-if world < 2 or args.layers % world:
+if world < 2 or args.layers < 1 or args.layers % world:
     parser.error(f"--layers {args.layers} must split evenly into N >= 2 processes, got N={world}")
 if unknown := sorted(set(schedules) - set(SCHEDULES)):
     parser.error(f"unknown schedule(s) {', '.join(unknown)}; choose from {', '.join(SCHEDULES)}")
@@ -66,7 +67,8 @@ env = setup()
 seed_everything(0)
 model = tiny_llama(hidden=args.hidden, layers=args.layers, heads=args.hidden // 64,
                    seq_len=args.seq).to(env.device)
-timeline = Timeline()
+timeline = Timeline(cuda=env.device.type == "cuda")
+clock = f"{env.device.type.upper()}/{env.backend}"  # what the times were measured on
 even = [args.layers // world] * world
 
 
@@ -88,7 +90,7 @@ def make_step(schedule_name: str, m: int, split: list[int]):
         if env.rank == 0:
             schedule.step(tokens)
         elif env.rank == world - 1:
-            schedule.step(target=tokens)
+            schedule.step(target=tokens, return_outputs=False)  # keep no logits
         else:
             schedule.step()
         model.zero_grad(set_to_none=True)
@@ -120,7 +122,7 @@ for _ in range(args.repeats):
 
 results = []
 print0(f"{world} stages, {args.layers} layers, hidden {args.hidden}, micro-batch "
-       f"{args.mb_size}x{args.seq} tokens; fastest of {args.repeats} steps (CPU/gloo)")
+       f"{args.mb_size}x{args.seq} tokens; fastest of {args.repeats} steps ({clock})")
 for (name, m, split), reps in runs.items():
     if env.rank:
         continue
@@ -138,7 +140,8 @@ for (name, m, split), reps in runs.items():
 # Peak activation memory per stage: what autograd keeps for backward, during one step of each
 # schedule at the largest m; and for one micro-batch alone (m=1, GPipe = no pipelining).
 memory = {}
-for name, m in [("gpipe", 1)] + [(s, max(args.microbatches)) for s in schedules]:
+for name, m in [("gpipe", 1)] + [(s, max(args.microbatches)) for s in schedules
+                                  if s == "gpipe" or max(args.microbatches) >= world]:
     if (name, m, tuple(even)) not in steps:
         steps[(name, m, tuple(even))] = make_step(name, m, even)
         steps[(name, m, tuple(even))]()  # warm-up (shape inference), not measured
@@ -150,7 +153,8 @@ for name, m in [("gpipe", 1)] + [(s, max(args.microbatches)) for s in schedules]
     print0(f"{name:5s} m={m}  peak activation memory per stage (MiB): "
            + " ".join(f"{p / 2**20:.1f}" for p in peaks))
 
-write_json(args.json, {"world_size": world, "layers": args.layers, "hidden": args.hidden,
+write_json(args.json, {"world_size": world, "clock": clock, "layers": args.layers,
+                       "hidden": args.hidden,
                        "mb_size": args.mb_size, "seq": args.seq, "repeats": args.repeats,
                        "runs": results, "memory": memory})
 teardown()

@@ -78,8 +78,9 @@ def layer_plan(plan: str) -> dict:
              "mlp.down_proj": RowwiseParallel(output_layouts=out, use_local_output=not seq)}
     if plan == "naive":
         return style
-    # Megatron's f: the block's input becomes ONE replicated DTensor, shared by q, k, v (gate,
-    # up). Backward adds their partial input gradients (Partial + Partial: no communication),
+    # Megatron's f: PrepareModuleInput turns the block's input into ONE replicated DTensor
+    # (use_local_output=False, its default, keeps it a DTensor), which q, k, v (gate, up) then
+    # share. Backward adds their partial input gradients (Partial + Partial: no communication),
     # then from_local's backward all-reduces the sum once. In the naive plan each colwise linear
     # wraps the plain input itself, so each all-reduces its own input gradient.
     # With sequence parallelism the block's input arrives sharded on the sequence: all-gather.
@@ -185,7 +186,7 @@ for plan in plans:
     loss, logits, grads, weights, fwd, bwd = step(model, tokens)
     err = torch.tensor([(loss - ref_loss).abs().item(), (logits - ref_logits).abs().max().item(),
                         max_diff(grads, ref_grads), max_diff(weights, ref_weights)],
-                       dtype=torch.float64)
+                       dtype=torch.float64, device=env.device)  # NCCL reduces only GPU tensors
     dist.all_reduce(err, op=dist.ReduceOp.MAX)  # the worst rank's
     ok = [e < b for e, b in zip(err.tolist(), bounds)]
     results[plan] = {"forward": fwd.counts(), "backward": bwd.counts(),
@@ -202,7 +203,7 @@ for plan in plans:
         print0(f"  {way:8s} {'bytes each rank sends (ring)':28s} {counter.ring_bytes:13d}")
     print0("  " + ", ".join(f"max |{n} diff| < {b:g}: {o}" for n, b, o in zip(names, bounds, ok)))
 
-attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp  # the last plan's model
 shapes = {name: [list(w.shape), list(local(w).shape)] for name, w in (
     ("q_proj", attn.q_proj.weight), ("o_proj", attn.o_proj.weight),
     ("gate_proj", mlp.gate_proj.weight), ("down_proj", mlp.down_proj.weight))}

@@ -17,7 +17,7 @@ from torch import nn
 
 
 def split_layers(num_layers: int, sizes: list[int] | int) -> list[tuple[int, int]]:
-    """[first, last) layer indices per stage: `sizes` layers each, or an even split in `sizes` parts."""
+    """[first, last) layer indices per stage: `sizes` layers each, or `sizes` equal parts."""
     if isinstance(sizes, int):
         if sizes < 1 or num_layers % sizes:
             raise ValueError(f"{num_layers} layers do not split evenly into {sizes} stages")
@@ -56,7 +56,7 @@ class LlamaStage(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of every next token: what LlamaForCausalLM(labels=tokens).loss computes."""
+    """Mean cross-entropy of every next token, as LlamaForCausalLM(labels=tokens).loss."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
@@ -67,25 +67,33 @@ class Timeline:
     (and NTP keeps within a millisecond or so across machines), counted from rank 0's `start()`.
     Each rank's own clock after a barrier would not do: ranks leave a barrier up to several
     milliseconds apart (measured here on CPU/gloo), which would shift whole timelines.
+    On a GPU, kernels run after the Python call that queues them returns: with `cuda=True` each
+    span waits for the GPU (torch.cuda.synchronize) at its start and end, so it times the work,
+    not its queueing (and serialises what would overlap: fine for a timeline, not for speed).
     """
 
-    def __init__(self):
+    def __init__(self, cuda: bool = False):
+        self.cuda = cuda
         self.t0 = time.time()
         self.spans: list[tuple[str, int, float, float]] = []
 
     def start(self) -> None:
-        t0 = torch.tensor([time.time()], dtype=torch.float64)
+        box = [time.time()]
         if dist.is_initialized():
-            dist.broadcast(t0, src=0)  # also a barrier: nobody starts before rank 0 has
-        self.t0 = t0.item()
+            dist.broadcast_object_list(box, src=0)  # also a barrier: nobody starts before rank 0
+        self.t0 = box[0]
         self.spans = []
 
     @contextmanager
     def span(self, kind: str, microbatch: int = 0):
+        if self.cuda:
+            torch.cuda.synchronize()
         begin = time.time()
         try:
             yield
         finally:
+            if self.cuda:
+                torch.cuda.synchronize()
             self.spans.append((kind, microbatch, begin - self.t0, time.time() - self.t0))
 
     def gather(self) -> list[list[tuple]] | None:
@@ -182,10 +190,12 @@ def idle_breakdown(spans_per_rank: list[list[tuple]]) -> list[dict]:
 
     - "bubble": waiting for work that another stage had not finished yet (forward i needs
       stage r-1's forward i; backward i needs stage r+1's backward i), and, after its last
-      span, for the other stages to finish. This is what (p-1)/(m+p-1) counts.
-    - "transfer": waiting after that work was done, while the result travelled (send, receive,
-      waking up), and any other gap (the schedule's own bookkeeping).
-    A pipeline with free communication would have no "transfer"; the formula assumes that.
+      span, for the other stages to finish. The formula (p-1)/(m+p-1) counts this kind of
+      waiting; here it also holds delays passed on from upstream (a stage that waited for a
+      transfer finishes later, and its successor waits for it as for a bubble).
+    - "transfer": the rest: waiting after the needed work was done, while the result
+      travelled (send, receive, waking up), and gaps with no producer (the schedule's own
+      bookkeeping, waiting for a send to complete).
     """
     begin = min(s[2] for spans in spans_per_rank for s in spans)
     end = max(s[3] for spans in spans_per_rank for s in spans)

@@ -82,7 +82,8 @@ SPAN_STYLE = {"F": ("forward", "#4C9BE8"), "B": ("backward", "#F28E2B"),
               "L": ("loss", "#59A14F"), "step": ("optimizer step", "0.55")}
 
 
-def plot_timeline(spans_per_rank, ax=None, title="", t_from=0.0, t_to=None, labels=True):
+def plot_timeline(spans_per_rank, ax=None, title="", t_from=0.0, t_to=None, labels=True,
+                  clock="CPU/gloo"):
     """A Gantt chart of what each rank computed when, from a run's spans (kind, micro-batch,
     start s, end s): one row per rank, blank = idle. Forward/backward boxes show the
     micro-batch number when they are wide enough."""
@@ -105,7 +106,7 @@ def plot_timeline(spans_per_rank, ax=None, title="", t_from=0.0, t_to=None, labe
     ax.set_ylim(0, len(spans_per_rank))
     ax.set_yticks([len(spans_per_rank) - 1 - r + 0.5 for r in range(len(spans_per_rank))],
                   [f"rank {r}" for r in range(len(spans_per_rank))])
-    ax.set_xlabel("time (ms, CPU/gloo)")
+    ax.set_xlabel(f"time (ms, {clock})")
     kinds = {s[0] for spans in spans_per_rank for s in spans}
     ax.legend(handles=[Rectangle((0, 0), 1, 1, facecolor=SPAN_STYLE[k][1], edgecolor="black",
                                  linewidth=0.4, label=SPAN_STYLE[k][0])
@@ -120,9 +121,9 @@ def plot_timeline(spans_per_rank, ax=None, title="", t_from=0.0, t_to=None, labe
     return ax
 
 
-def plot_bubbles(runs, stages: int, ax=None):
-    """Measured idle fraction per stage count of micro-batches m (one marker per schedule and
-    rank; a line through the schedule's mean) against the formula (p-1)/(m+p-1)."""
+def plot_bubbles(runs, stages: int, ax=None, clock="CPU/gloo"):
+    """Measured idle fraction against the number of micro-batches m, for each schedule (a line
+    through the mean over stages, a dash per stage), and the formula (p-1)/(m+p-1)."""
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
     ms = sorted({r["m"] for r in runs})
@@ -140,8 +141,8 @@ def plot_bubbles(runs, stages: int, ax=None):
     ax.set_xticks(ms, [str(m) for m in ms])
     ax.set_xlabel("micro-batches per step, m")
     ax.set_ylabel("idle fraction of the step")
-    ax.set_ylim(0, 0.6)
-    ax.set_title(f"Pipeline bubble on {stages} stages: measured (CPU/gloo) vs theory "
+    ax.set_ylim(0, max(0.6, (stages - 1) / stages + 0.1))
+    ax.set_title(f"Pipeline bubble on {stages} stages: measured ({clock}) vs theory "
                  "(dashes: each stage)", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

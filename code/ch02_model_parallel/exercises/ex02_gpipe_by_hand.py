@@ -67,7 +67,7 @@ loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last
 m = args.microbatches
 mb_shape = (args.batch_size // m, data.tensors[0].shape[1], model.config.hidden_size)
 
-timeline = Timeline()
+timeline = Timeline(cuda=env.device.type == "cuda")
 timeline.start()
 losses = []
 for epoch in range(args.epochs):
@@ -92,7 +92,7 @@ for epoch in range(args.epochs):
         optimizer.zero_grad()
         if is_last:
             losses.append(sum(out.item() for out in outputs))
-    epoch_loss = torch.tensor(losses[-1] if is_last else 0.0)
+    epoch_loss = torch.tensor(losses[-1] if is_last else 0.0, device=env.device)
     dist.broadcast(epoch_loss, src=env.world_size - 1)
     print0(f"epoch {epoch}  step {(epoch + 1) * len(loader):3d}  loss {epoch_loss.item():.3f}")
 

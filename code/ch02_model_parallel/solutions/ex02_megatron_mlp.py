@@ -187,11 +187,12 @@ print0(f"all_reduce calls by f and g: forward {len(fwd_calls)} ({sum(fwd_calls)}
 errors = {}
 for name, run in runs.items():
     err = torch.tensor([(run[k] - reference[k]).abs().max().item() for k in reference],
-                       dtype=torch.float64)
+                       dtype=torch.float64, device=env.device)  # NCCL reduces only GPU tensors
     dist.all_reduce(err, op=dist.ReduceOp.MAX)  # the worst rank's
     errors[name] = dict(zip(reference, err.tolist()))
     print0(f"{name} vs unsharded: " + ", ".join(
-        f"max |{k} diff| < {TOLERANCES[k]:g}: {e < TOLERANCES[k]}" for k, e in errors[name].items()))
+        f"max |{k} diff| < {TOLERANCES[k]:g}: {e < TOLERANCES[k]}"
+        for k, e in errors[name].items()))
 parity = all(e < TOLERANCES[k] for errs in errors.values() for k, e in errs.items())
 write_json(args.json, {
     "world_size": env.world_size, "hidden": args.hidden, "batch": args.batch_size,
