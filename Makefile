@@ -40,7 +40,7 @@ course: setup
 test: setup
 	$(BIN)/python -m pytest --durations=25
 
-# Every notebook once more under papermill at another process count (3): minutes per chapter,
+# Every notebook once more under papermill at another process count (3; 4 for ch. 02): minutes each,
 # so kept out of `make test`'s budget; CI (.ci/run, the GitHub workflow) runs both.
 test-nproc: setup
 	$(BIN)/python -m pytest -m second_nproc tests
