@@ -1,0 +1,117 @@
+"""How many bytes training takes per rank: the formulas chapter 03 checks against torch's trackers.
+
+Pure functions, no torch. Sizes are in bytes; `GB` is 10^9 bytes, as in the ZeRO paper.
+
+Sources:
+- [ZeRO] Rajbhandari, Rasley, Ruwase, He, "ZeRO: Memory Optimizations Toward Training Trillion
+  Parameter Models", SC 2020 (arXiv:1910.02054): model states (section 3.1), the three stages
+  and Figure 1 (section 5), communication volume (section 7).
+- [Korthikanti] Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+  Models", MLSys 2023 (arXiv:2205.05198), section 4 and Table 2: activation memory per layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 10**9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Bytes per parameter of each model state, on one rank that holds all of them.
+
+    param: the weights the forward uses; grad: their gradients; optimizer: everything else the
+    optimizer keeps per parameter (for mixed precision this includes the fp32 master weights).
+    """
+    name: str
+    param: int
+    grad: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.param + self.grad + self.optimizer
+
+
+# fp32 AdamW: weights 4, gradients 4, exp_avg 4 + exp_avg_sq 4.
+FP32_ADAMW = Recipe("fp32 AdamW", 4, 4, 8)
+# [ZeRO] section 3.1, mixed-precision Adam: fp16 weights 2 and gradients 2; the optimizer keeps
+# fp32 master weights, momentum and variance: K = 4 + 4 + 4 = 12. 16 bytes per parameter.
+MIXED_ADAMW = Recipe("mixed-precision AdamW (ZeRO's K=12)", 2, 2, 12)
+# fp32 SGD with momentum: one 4-byte buffer; plain SGD keeps nothing.
+FP32_SGD_MOMENTUM = Recipe("fp32 SGD with momentum", 4, 4, 4)
+FP32_SGD = Recipe("fp32 SGD", 4, 4, 0)
+RECIPES = {"fp32": FP32_ADAMW, "mixed": MIXED_ADAMW, "sgd-momentum": FP32_SGD_MOMENTUM,
+           "sgd": FP32_SGD}
+
+STAGES = {0: "DDP (no sharding)", 1: "ZeRO-1: optimizer states sharded",
+          2: "ZeRO-2: + gradients sharded", 3: "ZeRO-3: + parameters sharded"}
+
+
+def model_state_bytes(num_params: float, world_size: int, stage: int,
+                      recipe: Recipe = MIXED_ADAMW) -> dict[str, float]:
+    """Per-rank bytes of parameters, gradients and optimizer state, and their total.
+
+    [ZeRO] section 5.1, with Psi parameters, N data-parallel ranks and K optimizer bytes:
+    DDP (stage 0) (2 + 2 + K) Psi; stage 1 (P_os) 2 Psi + 2 Psi + K Psi / N;
+    stage 2 (P_os+g) 2 Psi + (2 + K) Psi / N; stage 3 (P_os+g+p) (2 + 2 + K) Psi / N,
+    here with any recipe's bytes in place of 2, 2 and K. Shards are Psi / N exactly: real
+    implementations pad each shard up to a multiple of N (or of an alignment), a few bytes more.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"ZeRO stage must be one of {sorted(STAGES)}, got {stage}")
+    if world_size < 1 or num_params < 0:
+        raise ValueError("need world_size >= 1 and num_params >= 0")
+    n = world_size
+    out = {"params": recipe.param * num_params / (n if stage >= 3 else 1),
+           "grads": recipe.grad * num_params / (n if stage >= 2 else 1),
+           "optimizer": recipe.optimizer * num_params / (n if stage >= 1 else 1)}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def communication_bytes(num_params: float, world_size: int, stage: int,
+                        bytes_per_value: int = 2) -> float:
+    """Bytes each rank sends per training step for the model states, with ring collectives.
+
+    [ZeRO] section 7: DDP all-reduces the gradients, 2 Psi values per rank (reduce-scatter +
+    all-gather, each (N-1)/N Psi). Stages 1 and 2 reduce-scatter the gradients and all-gather
+    the updated parameters: the same 2 Psi. Stage 3 all-gathers the parameters twice (forward
+    and backward) and reduce-scatters the gradients: 3 Psi, 1.5x DDP. Exact ring factors
+    (N-1)/N are kept; the paper rounds them to 1. Values are 2 bytes in mixed precision.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"ZeRO stage must be one of {sorted(STAGES)}, got {stage}")
+    one_pass = (world_size - 1) / world_size * num_params * bytes_per_value
+    return (3 if stage == 3 else 2) * one_pass
+
+
+def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
+                               tensor_parallel: int = 1, sequence_parallel: bool = False,
+                               recompute: str = "none") -> float:
+    """Activation bytes one transformer layer keeps for its backward, [Korthikanti] Table 2.
+
+    s = seq, b = batch, h = hidden, a = heads, t = tensor-parallel ranks:
+    - no recomputation, no parallelism: s b h (34 + 5 a s / h);
+    - tensor parallel: s b h (10 + 24/t + 5 a s / (h t));
+    - tensor + sequence parallel: s b h (34/t + 5 a s / (h t));
+    - selective recomputation (the attention's softmax, its dropout and the scores are
+      recomputed): the 5 a s / h term goes, e.g. s b h (34/t) with sequence parallelism;
+    - full recomputation (activation checkpointing of every layer): only the layer's input,
+      2 s b h (2 s b h / t with sequence parallelism).
+
+    What it assumes and leaves out: a GPT-style layer (LayerNorm, 4h GELU MLP, dropout with 1-byte
+    masks) with 16-bit activations; the attention scores materialised (a fused or flash attention
+    kernel keeps none of the 5 a s / h term); Llama's SwiGLU MLP (three matrices, a different
+    intermediate size) and RMSNorm, and no dropout, change the constant 34; the embedding, the
+    final norm, the logits and the loss; and temporaries that live only inside one operation.
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    s, b, h, a, t = seq, batch, hidden, heads, tensor_parallel
+    if recompute == "full":
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    scores = 0 if recompute == "selective" else 5 * a * s / (h * t)
+    rest = 34 / t if sequence_parallel else 10 + 24 / t
+    return s * b * h * (rest + scores)
