@@ -2,7 +2,7 @@
 import pytest
 
 from distkit.memory import (FP32_ADAMW, GB, MIXED_ADAMW, activation_bytes_per_layer,
-                            communication_bytes, model_state_bytes)
+                            communication_bytes, llama_params, model_state_bytes, training_bytes)
 
 PSI, N = 7.5e9, 64  # ZeRO paper, Figure 1: a 7.5B-parameter model on 64 GPUs, K = 12
 
@@ -43,3 +43,29 @@ def test_activation_formulas_agree_with_each_other():
     assert activation_bytes_per_layer(s, b, h, a, recompute="full") == 2 * s * b * h
     with pytest.raises(ValueError):
         activation_bytes_per_layer(s, b, h, a, recompute="some")
+
+
+def test_llama_params_match_the_published_sizes():
+    """Counted on the meta device from transformers' own LlamaForCausalLM (chapter 02 printed the
+    8B layer: 218.1 M): Llama 3 8B 8,030,261,248 and 70B 70,553,706,496 parameters."""
+    assert llama_params(128256, 4096, 14336, 32, 32, 8) == 8_030_261_248
+    assert llama_params(128256, 8192, 28672, 80, 64, 8) == 70_553_706_496
+
+
+def test_llama_params_match_transformers():
+    """And against transformers itself, on a small config (the count is cheap)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
+    with torch.device("meta"):
+        counted = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    assert llama_params(100, 64, 96, 3, 8, 2) == counted
+
+
+def test_calculator_adds_activations_to_the_model_states():
+    states = model_state_bytes(1e9, 8, 3)
+    both = training_bytes(1e9, world_size=8, stage=3, layers=2, seq=128, micro_batch=1,
+                          hidden=256, heads=4)
+    act = 2 * activation_bytes_per_layer(128, 1, 256, 4)
+    assert both["activations"] == act and both["total"] == pytest.approx(states["total"] + act)

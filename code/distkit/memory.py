@@ -115,3 +115,37 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
     scores = 0 if recompute == "selective" else 5 * a * s / (h * t)
     rest = 34 / t if sequence_parallel else 10 + 24 / t
     return s * b * h * (rest + scores)
+
+
+def llama_params(vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
+                 kv_heads: int | None = None, tie_embeddings: bool = False) -> int:
+    """Parameters of a transformers LlamaForCausalLM with these dimensions (no biases).
+
+    Per layer: q and o are h x h; k and v are h x (kv_heads * h / heads) (grouped-query
+    attention); the SwiGLU MLP has three h x intermediate matrices; two RMSNorm weights of h.
+    Plus the embedding (vocab x h), the final norm (h) and the LM head (vocab x h, unless tied).
+    """
+    kv_heads = kv_heads or heads
+    if hidden % heads or heads % kv_heads:
+        raise ValueError("hidden must divide by heads, and heads by kv_heads")
+    kv = kv_heads * (hidden // heads)
+    layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * intermediate + 2 * hidden
+    embeddings = vocab * hidden * (1 if tie_embeddings else 2)
+    return layers * layer + embeddings + hidden
+
+
+def training_bytes(num_params: float, *, world_size: int = 1, stage: int = 0,
+                   recipe: Recipe = MIXED_ADAMW, layers: int = 0, seq: int = 0,
+                   micro_batch: int = 0, hidden: int = 0, heads: int = 0,
+                   tensor_parallel: int = 1, sequence_parallel: bool = False,
+                   recompute: str = "none") -> dict[str, float]:
+    """The calculator: per-rank bytes of each model state (ZeRO stage `stage` over
+    `world_size` data-parallel ranks) plus the activations of `layers` transformer layers for one
+    micro-batch ([Korthikanti], 16-bit), and the total. Leaves out everything the two formulas
+    leave out (see their docstrings), the CUDA context and the allocator's fragmentation."""
+    out = model_state_bytes(num_params, world_size, stage, recipe)
+    out["activations"] = layers * activation_bytes_per_layer(
+        seq, micro_batch, hidden, heads, tensor_parallel=tensor_parallel,
+        sequence_parallel=sequence_parallel, recompute=recompute) if layers else 0.0
+    out["total"] += out["activations"]
+    return out
