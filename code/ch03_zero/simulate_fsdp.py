@@ -1,0 +1,118 @@
+"""Chapter 03: one FSDP2 training step of a real Llama size on N simulated ranks, on a laptop.
+
+    python code/ch03_zero/simulate_fsdp.py --models 8b --ranks 8 --json /tmp/sim.json
+
+torch's fake process group plays all N ranks' collectives (they return at once; nothing is
+sent) and FakeTensorMode gives every tensor its shape, dtype and device but no memory. So a
+transformers LlamaForCausalLM built from a published configuration, sharded with fully_shard per
+decoder layer and then at the root, can run one training step (forward, backward, AdamW) while
+torch's FSDPMemTracker counts the bytes rank 0 would hold, by category: a 70B model on 64
+"ranks" in well under a minute and half a GiB of RAM. Model states are read after the optimizer
+step (parameters, gradients and AdamW state all exist then); the peak is the moment, during the
+step, when the total was highest (mostly activations). float32 throughout, no activation
+checkpointing: the chapter's formulas with the fp32 AdamW recipe (4 + 4 + 8 bytes per parameter).
+"""
+import argparse
+import json
+import resource
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+# Published configurations (their config.json on the Hugging Face hub), typed in: nothing is
+# downloaded. Llama 3.2 1B ties its input and output embeddings.
+MODELS = {
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False),
+}
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--models", default="8b", help=f"comma list of {', '.join(MODELS)}")
+parser.add_argument("--ranks", type=int_list, default=[8], help="simulated ranks, comma list")
+parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
+parser.add_argument("--json", help="write the bytes per category here")
+args = parser.parse_args()
+models = args.models.split(",")
+if unknown := sorted(set(models) - set(MODELS)):
+    parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+if min(args.ranks) < 1 or args.seq < 2 or args.batch < 1:
+    parser.error("need --ranks >= 1, --seq >= 2 and --batch >= 1")
+
+with warnings.catch_warnings():  # transformers imports tqdm, which may warn about ipywidgets
+    warnings.simplefilter("ignore")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def category(key) -> str:
+    return str(getattr(key, "value", key))
+
+
+def simulate(name: str, ranks: int) -> dict:
+    """One training step of `name` as rank 0 of `ranks`; bytes by category."""
+    start = time.time()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    mesh = init_device_mesh("cpu", (ranks,))
+    config = LlamaConfig(**MODELS[name], max_position_embeddings=args.seq)
+    with FakeTensorMode():
+        model = LlamaForCausalLM(config)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq))
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs((tokens,))
+        with tracker:
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            optimizer.step()
+            after_step = tracker.get_tracker_snapshot("current")
+        peak = tracker.get_tracker_snapshot("peak")
+    num_params = sum(p.numel() for p in model.parameters())  # global sizes of the DTensors
+    dist.destroy_process_group()
+    (device,) = peak
+    return {"model": name, "ranks": ranks, "num_params": num_params, "seq": args.seq,
+            "batch": args.batch, "seconds": time.time() - start,
+            "after_step": {category(k): v for k, v in after_step[device].items()},
+            "peak": {category(k): v for k, v in peak[device].items()}}
+
+
+results = []
+print(f"{'model':5s} {'ranks':>5s} {'params':>7s} {'states GiB':>10s} {'peak GiB':>8s}  "
+      "(rank 0, fp32 AdamW, seq x batch = " f"{args.seq} x {args.batch})")
+for name in models:
+    for ranks in args.ranks:
+        r = simulate(name, ranks)
+        results.append(r)
+        states = sum(r["after_step"].get(k, 0) for k in ("Sharded Param", "Sharded Grad",
+                                                          "OptState"))
+        print(f"{name:5s} {ranks:5d} {r['num_params'] / 1e9:6.2f}B {states / 2**30:10.2f} "
+              f"{r['peak']['Total'] / 2**30:8.1f}", flush=True)
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+print(f"this process peaked at {rss / 2**30:.2f} GiB of RAM")
+if args.json:
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    command = "python code/ch03_zero/simulate_fsdp.py " + " ".join(sys.argv[1:])
+    Path(args.json).write_text(json.dumps({"command": command, "torch": torch.__version__,
+                                           "results": results, "max_rss_bytes": rss}, indent=1))
