@@ -1,6 +1,7 @@
 """Shared test plumbing: paths, and running the course launcher the way a learner would."""
 import json
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -86,6 +87,20 @@ def run_scripts_at_once(runs: dict) -> dict:
             env=launcher_env({"PYTHONPATH": str(CODE), **env}))
     done = {name: p.communicate(timeout=120) for name, p in procs.items()}
     return {name: (procs[name].returncode, out, err) for name, (out, err) in done.items()}
+
+
+def run_in_process(monkeypatch, capsys, script, *args, env=None):
+    """Run a script in code/ here, up to its argument checks (--help and bad input stop it before
+    setup(), with SystemExit): no new process, so no torch import to pay for. `env` sets
+    environment variables first (e.g. WORLD_SIZE, as torchrun would). Returns (exit status,
+    stdout, stderr)."""
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "argv", [str(CODE / script), *map(str, args)])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(CODE / script), run_name="__main__")
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
 
 
 def write_notebook(path, *sources) -> Path:

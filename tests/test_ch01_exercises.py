@@ -12,22 +12,12 @@ import sys
 
 import pytest
 
-from conftest import CODE, run_json, run_launcher
+from conftest import CODE, run_in_process, run_json, run_launcher
 
 LOSS_TOL = 1e-4    # per-step loss, data-parallel vs one process (the notebook's LOSS_TOL)
 GRAD_TOL = 1e-5    # averaged gradients vs one process's, every step
 WEIGHT_TOL = 1e-4  # weights after the last AdamW step
 EXERCISES = ["ex01_manual_ddp.py", "ex01_overlap.py"]
-
-
-def run_in_process(monkeypatch, capsys, script, *args):
-    """Run a script's argument parsing here (it exits before setup on --help and bad input):
-    returns (exit status, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", [str(CODE / script), *map(str, args)])
-    with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(CODE / script), run_name="__main__")
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
 
 
 # --- exercise 2: overlap, solution ------------------------------------------------------------

@@ -5,7 +5,6 @@ parity and the bubble and memory figures at N=2; `make test-nproc` runs it at N=
 Budget: argument checks run in this process (no torch import per case); the three one-process
 runs start at once, without torchrun."""
 import json
-import runpy
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import nbformat
 import pytest
 import torch
 
-from conftest import CODE, ROOT, launcher_env, run_json, run_scripts_at_once
+from conftest import ROOT, launcher_env, run_in_process, run_json, run_scripts_at_once
 from distkit.pipe import (LlamaStage, SavedActivations, idle_breakdown, idle_fractions,
                           lm_loss, split_layers)
 from distkit.toy import counting_data, tiny_llama
@@ -80,28 +79,17 @@ def test_idle_fractions_and_breakdown():
     assert rank1 == pytest.approx({"bubble": 3 / 6, "transfer": 1 / 6})
 
 
-def run_in_process(monkeypatch, capsys, script, *args):
-    """A script's argument checks, run here (they stop it before setup(), with exit status 2):
-    no new process, so no torch import to pay for."""
-    monkeypatch.setattr(sys, "argv", [str(CODE / "ch02_model_parallel" / script), *args])
-    with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(CODE / "ch02_model_parallel" / script), run_name="__main__")
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
-
-
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_is_whole_sentences(monkeypatch, capsys, script):
-    status, out, _ = run_in_process(monkeypatch, capsys, script, "--help")
+    status, out, _ = run_in_process(monkeypatch, capsys, f"ch02_model_parallel/{script}", "--help")
     first = out.split("\n\n")[1]  # after the usage lines: the docstring's first paragraph
     assert status == 0 and first.rstrip().endswith("."), f"{script}: --help shows {first!r}"
 
 
 @pytest.mark.parametrize("script, args, env, message", BAD_INPUT)
 def test_bad_input_one_line_error(monkeypatch, capsys, script, args, env, message):
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    status, _, err = run_in_process(monkeypatch, capsys, script, *args)
+    status, _, err = run_in_process(monkeypatch, capsys, f"ch02_model_parallel/{script}", *args,
+                                    env=env)
     assert status == 2 and message in err.strip().splitlines()[-1], err
 
 

@@ -9,13 +9,11 @@ process: argparse stops the scripts before setup(), so they need no process grou
 """
 import ast
 import re
-import runpy
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import CODE, run_json, run_scripts_at_once
+from conftest import CODE, run_in_process, run_json, run_scripts_at_once
 
 TP = "ch02_model_parallel/tensor_parallel.py"
 EX = "ch02_model_parallel/{}/ex02_megatron_mlp.py"
@@ -127,12 +125,10 @@ def test_starter_stops_at_its_first_todo(runs):
     (EX.format("exercises"), ["--seq", "0"], "2", "--seq and --batch-size must be >= 1"),
 ])
 def test_bad_input(monkeypatch, capsys, script, args, world, message):
-    monkeypatch.setenv("WORLD_SIZE", world)  # as torchrun would set it
-    monkeypatch.setattr(sys, "argv", [str(CODE / script), *args])
-    with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(CODE / script), run_name="__main__")
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 2 and lines[0].startswith("usage:")
+    status, _, err = run_in_process(monkeypatch, capsys, script, *args,
+                                    env={"WORLD_SIZE": world})  # as torchrun would set it
+    lines = err.strip().splitlines()
+    assert status == 2 and lines[0].startswith("usage:")
     assert lines[-1].startswith(script.split("/")[-1] + ": error:") and message in lines[-1]
 
 
@@ -140,11 +136,8 @@ def test_bad_input(monkeypatch, capsys, script, args, world, message):
 def test_help_is_whole_sentences(monkeypatch, capsys, script):
     first = (CODE / script).read_text().split('"""')[1].split("\n\n")[0]  # the description
     assert first.rstrip().endswith("."), first
-    monkeypatch.setattr(sys, "argv", [str(CODE / script), "--help"])
-    with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(CODE / script), run_name="__main__")
-    out = capsys.readouterr().out
-    assert exit_.value.code == 0 and "--json" in out
+    status, out, _ = run_in_process(monkeypatch, capsys, script, "--help")
+    assert status == 0 and "--json" in out
     assert " ".join(first.split()) in " ".join(out.split())  # argparse reflows it
 
 

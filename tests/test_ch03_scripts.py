@@ -1,11 +1,9 @@
 """Chapter 03's scripts (started): the FSDP2 simulation on fake ranks against distkit.memory."""
 import json
-import runpy
-import sys
 
 import pytest
 
-from conftest import CODE, ROOT, run_scripts_at_once
+from conftest import ROOT, run_in_process, run_scripts_at_once
 from distkit.memory import FP32_ADAMW, model_state_bytes
 
 SIM = "ch03_zero/simulate_fsdp.py"
@@ -18,11 +16,8 @@ SWEEP = ROOT / "code" / "ch03_zero" / "results" / "simulate_fsdp.json"
     (["--ranks", "0"], "--ranks >= 1"),
 ])
 def test_bad_input_one_line_error(monkeypatch, capsys, args, message):
-    monkeypatch.setattr(sys, "argv", [str(CODE / SIM), *args])
-    with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(CODE / SIM), run_name="__main__")
-    assert exit_.value.code == 2
-    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    status, _, err = run_in_process(monkeypatch, capsys, SIM, *args)
+    assert status == 2 and message in err.strip().splitlines()[-1]
 
 
 def check_against_the_model(r):

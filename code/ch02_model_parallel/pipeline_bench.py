@@ -20,19 +20,12 @@ import statistics
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit import int_list, print0, seed_everything, setup, teardown, write_json
 from distkit.pipe import (LlamaStage, SavedActivations, Timeline, idle_fractions, lm_loss,
                           split_layers, timed_stage)
 from distkit.toy import tiny_llama
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -1,6 +1,6 @@
 """Chapter 03: one FSDP2 training step of a real Llama size on N simulated ranks, on a laptop.
 
-    python code/ch03_zero/simulate_fsdp.py --models 8b --ranks 8 --json /tmp/sim.json
+    PYTHONPATH=code python code/ch03_zero/simulate_fsdp.py --models 8b --ranks 8 --json /tmp/s.json
 
 torch's fake process group plays all N ranks' collectives (they return at once; nothing is
 sent) and FakeTensorMode gives every tensor its shape, dtype and device but no memory. So a
@@ -28,6 +28,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from distkit import int_list
+
 # Published configurations (their config.json on the Hugging Face hub), typed in: nothing is
 # downloaded. Llama 3.2 1B ties its input and output embeddings.
 MODELS = {
@@ -40,13 +42,6 @@ MODELS = {
 }
 
 
-def int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-
-
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--models", default="8b", help=f"comma list of {', '.join(MODELS)}")
 parser.add_argument("--ranks", type=int_list, default=[8], help="simulated ranks, comma list")
@@ -57,7 +52,7 @@ args = parser.parse_args()
 models = args.models.split(",")
 if unknown := sorted(set(models) - set(MODELS)):
     parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
-if min(args.ranks) < 1 or args.seq < 2 or args.batch < 1:
+if not args.ranks or min(args.ranks) < 1 or args.seq < 2 or args.batch < 1:
     parser.error("need --ranks >= 1, --seq >= 2 and --batch >= 1")
 
 with warnings.catch_warnings():  # transformers imports tqdm, which may warn about ipywidgets
@@ -113,6 +108,6 @@ rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 print(f"this process peaked at {rss / 2**30:.2f} GiB of RAM")
 if args.json:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    command = "python code/ch03_zero/simulate_fsdp.py " + " ".join(sys.argv[1:])
+    command = "PYTHONPATH=code python code/ch03_zero/simulate_fsdp.py " + " ".join(sys.argv[1:])
     Path(args.json).write_text(json.dumps({"command": command, "torch": torch.__version__,
                                            "results": results, "max_rss_bytes": rss}, indent=1))

@@ -1,6 +1,7 @@
 """Process-group set-up and printing, shared by every lesson script."""
 from __future__ import annotations
 
+import argparse
 import inspect
 import json
 import os
@@ -95,6 +96,14 @@ def todo(what: str):
         dist.barrier()
         dist.destroy_process_group()
     os._exit(1)  # at once: a normal exit can abort noisily inside gloo's shutdown
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse `type=` for "1,2,4,8" (an empty string gives []): a bad item is one clear line."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
 def seed_everything(seed: int) -> None:
