@@ -1,7 +1,7 @@
 """distkit.memory: the ZeRO paper's numbers, and the formulas' internal consistency."""
 import pytest
 
-from distkit.memory import (FP32_ADAMW, GB, MIXED_ADAMW, activation_bytes_per_layer,
+from distkit.memory import (FP32_ADAMW, GB, MIXED_ADAMW, activation_bytes_per_layer, from_config,
                             communication_bytes, llama_params, model_state_bytes, training_bytes)
 
 PSI, N = 7.5e9, 64  # ZeRO paper, Figure 1: a 7.5B-parameter model on 64 GPUs, K = 12
@@ -61,6 +61,7 @@ def test_llama_params_match_transformers():
     with torch.device("meta"):
         counted = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
     assert llama_params(100, 64, 96, 3, 8, 2) == counted
+    assert from_config(config) == {"num_params": counted, "layers": 3, "hidden": 64, "heads": 8}
 
 
 def test_calculator_adds_activations_to_the_model_states():

@@ -1,6 +1,6 @@
 """Chapter 03: one FSDP2 training step of a real Llama size on N simulated ranks, on a laptop.
 
-    PYTHONPATH=code python code/ch03_zero/simulate_fsdp.py --models 8b --ranks 8 --json /tmp/s.json
+    PYTHONPATH=code python code/ch03_zero/simulate_fsdp.py --points 8b:8,70b:64 --json /tmp/s.json
 
 torch's fake process group plays all N ranks' collectives (they return at once; nothing is
 sent) and FakeTensorMode gives every tensor its shape, dtype and device but no memory. So a
@@ -45,14 +45,22 @@ MODELS = {
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--models", default="8b", help=f"comma list of {', '.join(MODELS)}")
 parser.add_argument("--ranks", type=int_list, default=[8], help="simulated ranks, comma list")
+parser.add_argument("--points", help="model:ranks pairs instead of every model x every rank "
+                    "count, e.g. 8b:8,70b:64")
 parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
 parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
+parser.add_argument("--checkpoint", action="store_true",
+                    help="activation checkpointing of every decoder layer")
 parser.add_argument("--json", help="write the bytes per category here")
 args = parser.parse_args()
-models = args.models.split(",")
-if unknown := sorted(set(models) - set(MODELS)):
+try:
+    points = [(m, int(n)) for m, n in (p.split(":") for p in args.points.split(","))] \
+        if args.points else [(m, n) for m in args.models.split(",") for n in args.ranks]
+except ValueError:
+    parser.error(f"--points: expected model:ranks pairs such as 8b:8,70b:64, got {args.points!r}")
+if unknown := sorted({m for m, _ in points} - set(MODELS)):
     parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
-if not args.ranks or min(args.ranks) < 1 or args.seq < 2 or args.batch < 1:
+if not points or min(n for _, n in points) < 1 or args.seq < 2 or args.batch < 1:
     parser.error("need --ranks >= 1, --seq >= 2 and --batch >= 1")
 
 with warnings.catch_warnings():  # transformers imports tqdm, which may warn about ipywidgets
@@ -72,6 +80,9 @@ def simulate(name: str, ranks: int) -> dict:
     config = LlamaConfig(**MODELS[name], max_position_embeddings=args.seq)
     with FakeTensorMode():
         model = LlamaForCausalLM(config)
+        if args.checkpoint:  # each layer keeps its input only, and reruns its forward in backward
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False})
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -88,22 +99,20 @@ def simulate(name: str, ranks: int) -> dict:
     dist.destroy_process_group()
     (device,) = peak
     return {"model": name, "ranks": ranks, "num_params": num_params, "seq": args.seq,
-            "batch": args.batch, "seconds": time.time() - start,
+            "batch": args.batch, "checkpoint": args.checkpoint, "seconds": time.time() - start,
             "after_step": {category(k): v for k, v in after_step[device].items()},
             "peak": {category(k): v for k, v in peak[device].items()}}
 
 
 results = []
-print(f"{'model':5s} {'ranks':>5s} {'params':>7s} {'states GiB':>10s} {'peak GiB':>8s}  "
-      "(rank 0, fp32 AdamW, seq x batch = " f"{args.seq} x {args.batch})")
-for name in models:
-    for ranks in args.ranks:
-        r = simulate(name, ranks)
-        results.append(r)
-        states = sum(r["after_step"].get(k, 0) for k in ("Sharded Param", "Sharded Grad",
-                                                          "OptState"))
-        print(f"{name:5s} {ranks:5d} {r['num_params'] / 1e9:6.2f}B {states / 2**30:10.2f} "
-              f"{r['peak']['Total'] / 2**30:8.1f}", flush=True)
+print(f"{'model':5s} {'ranks':>5s} {'params':>7s} {'states GiB':>10s} {'peak GiB':>8s} "
+      f"{'seconds':>7s}  (rank 0, fp32 AdamW, seq x batch = {args.seq} x {args.batch})")
+for name, ranks in points:
+    r = simulate(name, ranks)
+    results.append(r)
+    states = sum(r["after_step"].get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState"))
+    print(f"{name:5s} {ranks:5d} {r['num_params'] / 1e9:6.2f}B {states / 2**30:10.2f} "
+          f"{r['peak']['Total'] / 2**30:8.1f} {r['seconds']:7.1f}", flush=True)
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 print(f"this process peaked at {rss / 2**30:.2f} GiB of RAM")
 if args.json:

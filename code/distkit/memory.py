@@ -134,6 +134,17 @@ def llama_params(vocab: int, hidden: int, intermediate: int, layers: int, heads:
     return layers * layer + embeddings + hidden
 
 
+def from_config(config) -> dict:
+    """The calculator's model arguments from a transformers Llama-style config (LlamaConfig,
+    or anything with the same attribute names): parameters, layers, hidden size and heads."""
+    c = config
+    return {"num_params": llama_params(c.vocab_size, c.hidden_size, c.intermediate_size,
+                                       c.num_hidden_layers, c.num_attention_heads,
+                                       c.num_key_value_heads, c.tie_word_embeddings),
+            "layers": c.num_hidden_layers, "hidden": c.hidden_size,
+            "heads": c.num_attention_heads}
+
+
 def training_bytes(num_params: float, *, world_size: int = 1, stage: int = 0,
                    recipe: Recipe = MIXED_ADAMW, layers: int = 0, seq: int = 0,
                    micro_batch: int = 0, hidden: int = 0, heads: int = 0,

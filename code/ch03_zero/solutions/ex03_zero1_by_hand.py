@@ -1,0 +1,145 @@
+"""Exercise 03.1 solution: ZeRO-1 by hand, each rank keeping AdamW's state for 1/N of the weights.
+
+    code/run_w_torchrun.sh 2 ch03_zero/solutions/ex03_zero1_by_hand.py
+
+Every rank builds the same model (same seed) and trains it on its part of each global batch, as
+in DDP. What changes is the optimizer: all Psi parameters are flattened into one fp32 vector,
+padded to a multiple of N, and rank r owns the contiguous shard [r*S, (r+1)*S), S = padded/N.
+Each rank runs a plain AdamW over its shard only (a standalone copy: the fp32 master of its
+slice), so exp_avg and exp_avg_sq exist for S values, not Psi: ZeRO-1. Each step the flat
+gradient is reduce-scattered (summed over ranks, each rank keeping its slice; divided by N for
+the mean), the shard takes its AdamW step, and the updated shards are all-gathered back into
+every rank's full copy of the weights. AdamW works value by value, so the losses and weights
+match one process training on the global batch (computed here, on every rank), while each
+rank's optimizer state is about 1/N of that process's. The starter is
+../exercises/ex03_zero1_by_hand.py (same lines).
+"""
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector
+
+from distkit import print0, print_ranks, seed_everything, setup, teardown, write_json
+from distkit.toy import counting_data, tiny_llama
+
+# Against one process: float32 rounding differs (the gradient summed in another order); a wrong
+# shard, a missing division by N or a stale copy-back miss by far more.
+LOSS_TOL, WEIGHT_TOL = 1e-4, 1e-4
+SEED = 0
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--steps", type=int, default=6, help="training steps")
+parser.add_argument("--batch-size", type=int, default=4, help="sequences per step, per process")
+parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
+parser.add_argument("--json", help="write losses, parity and optimizer-state bytes here (rank 0)")
+args = parser.parse_args()
+if args.steps < 1 or args.batch_size < 1:
+    parser.error("need --steps >= 1 and --batch-size >= 1")
+
+
+def state_bytes(optimizer) -> int:
+    """Bytes of every tensor the optimizer keeps: AdamW's exp_avg and exp_avg_sq (4 bytes per
+    value each) and its step counter (a 4-byte float32 tensor per parameter tensor)."""
+    return sum(t.nbytes for state in optimizer.state.values() for t in state.values()
+               if torch.is_tensor(t))
+
+
+def same_on_all_ranks(tensors) -> bool:
+    """True when every rank holds exactly the same values: their minimum and maximum over the
+    ranks are equal. (A collective: every rank must call it.)"""
+    v = torch.cat([t.detach().reshape(-1) for t in tensors])
+    lo, hi = v.clone(), v.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return torch.equal(lo, hi)
+
+
+env = setup()
+N, b = env.world_size, args.batch_size
+# Step s trains on the global batch of N*b sequences number s*N*b ... (s+1)*N*b - 1;
+# rank r reads its b rows of it.
+(tokens,) = counting_data(args.steps * N * b)[:]
+batches = tokens.view(args.steps, N * b, -1).to(env.device)
+
+# The reference: one process, plain AdamW over the whole model, on the global batch. Every rank
+# computes it (the model is tiny), so no rank waits for another.
+seed_everything(SEED)
+model = tiny_llama().to(env.device)
+reference = torch.optim.AdamW(model.parameters(), lr=args.lr)
+single_losses = []
+for step in range(args.steps):
+    loss = model(input_ids=batches[step], labels=batches[step]).loss
+    loss.backward()
+    reference.step()
+    reference.zero_grad()
+    single_losses.append(loss.item())
+single_weights = parameters_to_vector(model.parameters()).detach().clone()
+single_state = state_bytes(reference)
+
+# ZeRO-1: the same initial weights on every rank (the same seed: no broadcast needed).
+seed_everything(SEED)
+model = tiny_llama().to(env.device)
+params = list(model.parameters())
+sizes = [p.numel() for p in params]
+psi = sum(sizes)
+S = -(-psi // N)  # shard size: Psi / N rounded up
+padded = N * S
+flat = torch.zeros(padded, device=env.device)  # every rank's full copy, padding zeros at the end
+flat[:psi] = parameters_to_vector(params).detach()
+pad = torch.zeros(padded - psi, device=env.device)  # the padding's gradient: always zero
+lo, hi = env.rank * S, (env.rank + 1) * S
+shard = flat[lo:hi].clone().requires_grad_()  # a leaf of its own: this rank's fp32 master slice
+optimizer = torch.optim.AdamW([shard], lr=args.lr)  # state for S values only
+
+losses = []
+for step in range(args.steps):
+    rows = batches[step, env.rank * b:(env.rank + 1) * b]  # this rank's part of the batch
+    loss = model(input_ids=rows, labels=rows).loss
+    loss.backward()
+    flat_grad = torch.cat([p.grad.reshape(-1) for p in params] + [pad])
+    model.zero_grad()
+    # Sum over ranks, keep only this rank's slice (formerly dist.reduce_scatter_tensor; gloo
+    # has it). Then sum -> mean, as the single process's loss is a mean over the global batch.
+    shard.grad = torch.empty_like(shard.detach())
+    dist.reduce_scatter_single(shard.grad, flat_grad, op=dist.ReduceOp.SUM)
+    shard.grad /= N
+    optimizer.step()  # AdamW on S values: the only place this rank's optimizer state lives
+    optimizer.zero_grad()
+    # Every rank's updated slice, to every rank (formerly dist.all_gather_into_tensor), then
+    # back into the model's parameters for the next forward.
+    dist.all_gather_single(flat, shard.detach())
+    with torch.no_grad():
+        for p, new in zip(params, flat[:psi].split(sizes)):
+            p.copy_(new.view_as(p))
+    loss = loss.detach()
+    dist.all_reduce(loss)  # for the log: the mean over all ranks' sequences
+    losses.append(loss.item() / N)
+    # 3 decimals: further digits differ in the last float bits between CPUs and world sizes
+    print0(f"step {step + 1:2d}  loss {losses[-1]:.3f}  (one process: {single_losses[step]:.3f})")
+
+max_loss_diff = max(abs(x - y) for x, y in zip(losses, single_losses))
+max_weight_diff = (parameters_to_vector(params) - single_weights).abs().max().item()
+print0(f"max loss difference vs one process        < 1e-4: {max_loss_diff < LOSS_TOL}")
+print0(f"max weight difference after the last step < 1e-4: {max_weight_diff < WEIGHT_TOL}")
+
+mine = state_bytes(optimizer)
+per_rank = [None] * N
+dist.all_gather_object(per_rank, mine)
+print0(f"Psi = {psi:,} parameters in {len(params)} tensors, padded to {padded:,} = N x S, "
+       f"S = {S:,}")
+print_ranks(f"shard [{lo:,}, {hi:,}): AdamW state {mine:,} bytes = 8 x S + 4 (one step counter)")
+print0(f"one process's AdamW state: {single_state:,} bytes = 8 x Psi + 4 x {len(params)}")
+ratio = mine / single_state
+print0(f"optimizer state per rank / one process's: {ratio:.3f} (1/N = {1 / N:.3f})")
+identical = same_on_all_ranks(params)  # every rank applied the same all-gathered weights
+print0(f"after training, weights identical on every rank: {identical}")
+write_json(args.json, {
+    "world_size": N, "steps": args.steps, "batch_size": b, "lr": args.lr,
+    "num_params": psi, "num_param_tensors": len(params), "padded": padded, "shard_size": S,
+    "losses": losses, "single_losses": single_losses,
+    "max_loss_diff": max_loss_diff, "max_weight_diff": max_weight_diff,
+    "tolerances": {"loss": LOSS_TOL, "weight": WEIGHT_TOL},
+    "parity": max_loss_diff < LOSS_TOL and max_weight_diff < WEIGHT_TOL,
+    "optimizer_state_bytes": per_rank, "optimizer_tensors_held": len(optimizer.state),
+    "single_optimizer_state_bytes": single_state, "ratio": ratio, "identical": identical})
+teardown()
