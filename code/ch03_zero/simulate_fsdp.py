@@ -29,18 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from distkit import int_list
-
-# Published configurations (their config.json on the Hugging Face hub), typed in: nothing is
-# downloaded. Llama 3.2 1B ties its input and output embeddings.
-MODELS = {
-    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
-    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
-    "70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False),
-}
-
+from distkit.memory import LLAMA_CONFIGS as MODELS  # Llama 3.2 1B, 3.1 8B and 70B, typed in
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--models", default="8b", help=f"comma list of {', '.join(MODELS)}")

@@ -23,7 +23,7 @@ from matplotlib.colors import to_rgba
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch, Rectangle
 
 from distkit.memory import GB, MIXED_ADAMW, STAGES, communication_bytes, model_state_bytes
-from distkit.plots import RANK_COLORS
+from distkit.plots import RANK_COLORS, STATE_COLORS
 
 IMAGES = Path(__file__).resolve().parents[2] / "images"
 DPI = 110
@@ -925,8 +925,6 @@ def parallelisms():
 
 # --- chapter 03: ZeRO memory math ---------------------------------------------------------
 
-# the three model states, the same colours wherever they are drawn (not rank colours)
-STATE_COLORS = {"params": "#7e57c2", "grads": "#1a9bab", "optimizer": "#c2477f"}
 # float_formats: sign, exponent and mantissa bits
 FIELD_COLORS = {"sign": "#c0504d", "exponent": "#4f8a3c", "mantissa": "#4a72a8"}
 

@@ -12,9 +12,23 @@ Sources:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 GB = 10**9
 GiB = 2**30
+
+
+# Llama 3.2 1B, Llama 3.1 8B and 70B: their published configurations (config.json on the Hugging
+# Face hub), the fields that set the memory, typed in: nothing is downloaded. 1B ties its input
+# and output embeddings. LlamaConfig(**LLAMA_CONFIGS["8b"]) builds the config.
+LLAMA_CONFIGS = {
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False),
+}
 
 
 @dataclass(frozen=True)
@@ -136,8 +150,9 @@ def llama_params(vocab: int, hidden: int, intermediate: int, layers: int, heads:
 
 def from_config(config) -> dict:
     """The calculator's model arguments from a transformers Llama-style config (LlamaConfig,
-    or anything with the same attribute names): parameters, layers, hidden size and heads."""
-    c = config
+    anything with the same attribute names, or a dict of them such as LLAMA_CONFIGS["8b"]):
+    parameters, layers, hidden size and heads."""
+    c = SimpleNamespace(**config) if isinstance(config, dict) else config
     return {"num_params": llama_params(c.vocab_size, c.hidden_size, c.intermediate_size,
                                        c.num_hidden_layers, c.num_attention_heads,
                                        c.num_key_value_heads, c.tie_word_embeddings),

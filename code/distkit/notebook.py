@@ -80,6 +80,24 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
 launch.count = 0  # launches so far in this kernel: a notebook's last cell reports them
 
 
+def run_python(script: str, *args) -> None:
+    """Run `python code/SCRIPT ARGS...`, a one-process script (no torchrun), streaming its
+    output; raises CalledProcessError when it fails, so the notebook cell fails too."""
+    cmd = [sys.executable, str(CODE / script), *map(str, args)]
+    print("$ PYTHONPATH=code python", shlex.join([f"code/{script}", *map(_shown, args)]),
+          flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(CODE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    lines = []
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        lines.append(line)
+    if proc.wait():
+        raise subprocess.CalledProcessError(proc.returncode, cmd, "".join(lines))
+
+
 def diff(before: str | os.PathLike, after: str | os.PathLike, context: int = 3) -> str:
     """Unified diff of two scripts in code/: what the 'after' version adds to the 'before'."""
     a, b = (CODE / before).read_text().splitlines(), (CODE / after).read_text().splitlines()

@@ -147,3 +147,90 @@ def plot_bubbles(runs, stages: int, ax=None, clock="CPU/gloo"):
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return ax
+
+
+# The three model states, the same colours wherever they are drawn (not rank colours)
+STATE_COLORS = {"params": "#7e57c2", "grads": "#1a9bab", "optimizer": "#c2477f"}
+
+
+def plot_zero_measured(res: dict, categories: list[str], ax=None):
+    """Chapter 03: bytes per parameter on rank 0, by strategy (groups) and category (bars):
+    the formula as an outline, the trackers' measurement filled (zero_memory.py --json)."""
+    ax = ax or plt.subplots(figsize=(11, 4))[1]
+    per_rank0 = res["ranks"][0]
+    strategies = list(per_rank0)
+    colors = ["#9575cd", "#7e57c2", STATE_COLORS["grads"], STATE_COLORS["optimizer"]]
+    width = 0.8 / len(categories)
+    for j, cat in enumerate(categories):
+        x = [i + (j - (len(categories) - 1) / 2) * width for i in range(len(strategies))]
+        got = [per_rank0[s]["measured"][cat] / res["num_params"] for s in strategies]
+        want = [res["predicted"][s][cat] / res["num_params"] for s in strategies]
+        ax.bar(x, got, width * 0.9, color=colors[j % len(colors)], alpha=0.85,
+               hatch="//" if cat == "params in use" else None, label=f"{cat} (measured)")
+        ax.bar(x, want, width * 0.9, fill=False, edgecolor="black", linewidth=1.2,
+               label="formula" if j == 0 else None)
+    ax.set_xticks(range(len(strategies)), strategies)
+    ax.set_ylabel("bytes per parameter, rank 0")
+    ax.set_title(f"Model states per rank, {res['world_size']} ranks: measured (filled) "
+                 "vs formula (outline)")
+    ax.legend(ncols=3, fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return ax
+
+
+def plot_activations(act: dict, ax=None):
+    """Chapter 03: activation bytes at the end of the forward vs decoder layers, one line per
+    setting (activations.py --json); the slope is one layer's share."""
+    ax = ax or plt.subplots(figsize=(7, 4))[1]
+    settings = {}
+    for r in act["runs"]:
+        key = f"{r['dtype']}, {r['attention']}" + (", checkpointing" if r["checkpoint"] else "")
+        settings.setdefault(key, []).append((r["layers"], r["end_of_forward"]["Activation"]))
+    for key, points in settings.items():
+        xs, ys = zip(*points)
+        ax.plot(xs, [y / 2**20 for y in ys], "o-" if "checkpointing" not in key else "s--",
+                label=key)
+    ax.set_xlabel("decoder layers")
+    ax.set_ylabel("activation memory (MiB)")
+    ax.set_xticks(sorted({r["layers"] for r in act["runs"]}))
+    ax.set_title(f"Activations kept for backward (s={act['seq']}, b={act['batch']}, "
+                 f"h={act['hidden']})")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ax
+
+
+def plot_memory_vs_ranks(sweeps: dict, formula, gpu_gib: float, ax=None):
+    """Chapter 03: per-rank GiB vs simulated ranks, one colour per model: model states after
+    the step (solid; the formula as crosses) and the step's peak (dashed, one line style per
+    sweep), with a horizontal line at a GPU's memory. `sweeps`: label -> simulate_fsdp results;
+    `formula(num_params, ranks)` gives the model states in bytes."""
+    ax = ax or plt.subplots(figsize=(10, 4.5))[1]
+    styles = ["--", ":", "-."]
+    first = next(iter(sweeps.values()))
+    models = list(dict.fromkeys(r["model"] for r in first))
+    for i, model in enumerate(models):
+        color = plt.get_cmap("tab10").colors[i]
+        rows = [r for r in first if r["model"] == model]
+        ranks = [r["ranks"] for r in rows]
+        states = [sum(r["after_step"][k] for k in ("Sharded Param", "Sharded Grad", "OptState"))
+                  for r in rows]
+        ax.plot(ranks, [s / 2**30 for s in states], "-o", color=color,
+                label=f"{model}: model states")
+        ax.plot(ranks, [formula(r["num_params"], r["ranks"]) / 2**30 for r in rows], "x",
+                color="black", markersize=7, label="formula" if i == 0 else None)
+        for style, (label, sweep) in zip(styles, sweeps.items()):
+            rows = [r for r in sweep if r["model"] == model]
+            ax.plot([r["ranks"] for r in rows], [r["peak"]["Total"] / 2**30 for r in rows],
+                    style, color=color, label=f"{model}: peak, {label}")
+    ax.axhline(gpu_gib, color="red", linewidth=1)
+    ax.text(ranks[0], gpu_gib * 1.08, f"{gpu_gib:g} GiB", color="red", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ranks, [str(n) for n in ranks])
+    ax.set_xlabel("simulated ranks (FSDP2, fully_shard per layer)")
+    ax.set_ylabel("GiB on rank 0")
+    ax.set_title("One fp32 AdamW step, simulated: model states and peak per rank")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.grid(alpha=0.3, which="both")
+    return ax
