@@ -101,6 +101,17 @@ def test_committed_sweep_matches_the_model_everywhere(path):
     assert ("--checkpoint" in sweep["command"]) == (path == SWEEP_CKPT)
 
 
+def test_checkpointing_cuts_the_simulated_activations_and_the_peak_holds_the_optimizer_state():
+    """The measured step is the second: AdamW's state exists through its forward and backward."""
+    plain, ckpt = (json.loads(p.read_text())["results"] for p in (SWEEP, SWEEP_CKPT))
+    for a, b in zip(plain, ckpt):
+        assert (a["model"], a["ranks"]) == (b["model"], b["ranks"])
+        assert b["peak"]["Activation"] < a["peak"]["Activation"] / 4
+        assert b["peak"]["Total"] < a["peak"]["Total"]
+        for r in (a, b):
+            assert r["peak"]["OptState"] >= r["after_step"]["OptState"] > 0
+
+
 @pytest.mark.second_nproc
 def test_notebook_at_three_processes(tmp_path):
     """N = 3 divides no dimension of the tiny Llama: FSDP2 pads, ZeRO-1's split is uneven, and
@@ -115,4 +126,5 @@ def test_notebook_at_three_processes(tmp_path):
     text = json.dumps(nbformat.read(out, as_version=4).cells)
     assert "every parameter's first dimension divides by N = 3: False" in text
     assert "max |loss - reference| < 1e-05: True" in text and "|loss - reference| < 1e-05: False" not in text
+    assert "fsdp2-bf16  max |loss - reference| < 0.01: True" in text
     assert "same bytes as the committed sweep: True" in text

@@ -115,9 +115,10 @@ def run(strategy: str) -> dict:
                + end_of_forward["Unsharded Param"],
                "grads": at_rest["Sharded Grad"], "optimizer": at_rest["OptState"]}
     else:
-        # MemTracker files DDP's gradients under "Temp": they are views into the reducer's
-        # bucket buffers, made in C++ outside the tracker's gradient hooks. So we count the
-        # distinct storages that hold them (the JSON keeps the tracker's Temp to compare).
+        # MemTracker files DDP's gradients under "Temp": they are views into the C++ reducer's
+        # bucket buffers, allocated before tracking began and filled during the backward, where
+        # the tracker (track_external installs no gradient hooks) first meets them. So we count
+        # the distinct storages that hold them (the JSON keeps the tracker's Temp to compare).
         got = {"params at rest": at_rest["Parameter"], "params in use": end_of_forward["Parameter"],
                "grads": sum(grad_storages.values()), "optimizer": at_rest["Optstate"]}
     return {"losses": losses, "measured": got, "end_of_forward": end_of_forward,

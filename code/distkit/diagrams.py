@@ -1187,9 +1187,10 @@ def float_formats():
     ax.text(width / 2, 0.86, "bf16 keeps fp32's exponent range: gradients of 1e-8 survive; "
             f"fp16 stops at ~{sub} and rounds them to 0, hence loss scaling",
             ha="center", va="center", fontsize=FONT + 0.5, fontweight="bold", color=INK)
-    ax.text(width / 2, 0.44, "loss scaling (torch.amp.GradScaler): multiply the loss by S "
-            f"(2¹⁶ to start), so that backward's fp16 values stay above {sub};\nthen divide "
-            f"the gradients by S before the step.  1e-8 × 2¹⁶ in fp16, divided back by 2¹⁶: "
+    normal = _short(float(f"{torch.finfo(torch.float16).smallest_normal:.1e}"))
+    ax.text(width / 2, 0.44, "loss scaling (torch.amp.GradScaler): multiply the loss by S (2¹⁶ to "
+            f"start) to lift backward's fp16 values into the normal range (> {normal});\nthen "
+            f"divide the gradients by S before the step.  1e-8 × 2¹⁶ in fp16, divided back by 2¹⁶: "
             f"{_short(back)}", ha="center", va="center", fontsize=SMALL + 0.5, color="0.25",
             linespacing=1.4)
     return fig

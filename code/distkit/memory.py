@@ -7,7 +7,7 @@ Sources:
   Parameter Models", SC 2020 (arXiv:1910.02054): model states (section 3.1), the three stages
   and Figure 1 (section 5), communication volume (section 7).
 - [Korthikanti] Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-  Models", MLSys 2023 (arXiv:2205.05198), section 4 and Table 2: activation memory per layer.
+  Models", MLSys 2023 (arXiv:2205.05198, 2022), section 4 and Table 2: activation memory per layer.
 """
 from __future__ import annotations
 
@@ -70,8 +70,9 @@ def model_state_bytes(num_params: float, world_size: int, stage: int,
     [ZeRO] section 5.1, with Psi parameters, N data-parallel ranks and K optimizer bytes:
     DDP (stage 0) (2 + 2 + K) Psi; stage 1 (P_os) 2 Psi + 2 Psi + K Psi / N;
     stage 2 (P_os+g) 2 Psi + (2 + K) Psi / N; stage 3 (P_os+g+p) (2 + 2 + K) Psi / N,
-    here with any recipe's bytes in place of 2, 2 and K. Shards are Psi / N exactly: real
-    implementations pad each shard up to a multiple of N (or of an alignment), a few bytes more.
+    here with any recipe's bytes in place of 2, 2 and K. Shards are Psi / N exactly: FSDP2 pads
+    each parameter's first dimension to a multiple of N, flat-buffer implementations (FSDP1,
+    DeepSpeed) pad the flat buffer, and ZeRO-1 in torch assigns whole tensors: a little more.
     """
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of {sorted(STAGES)}, got {stage}")
@@ -110,8 +111,9 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
     - no recomputation, no parallelism: s b h (34 + 5 a s / h);
     - tensor parallel: s b h (10 + 24/t + 5 a s / (h t));
     - tensor + sequence parallel: s b h (34/t + 5 a s / (h t));
-    - selective recomputation (the attention's softmax, its dropout and the scores are
-      recomputed): the 5 a s / h term goes, e.g. s b h (34/t) with sequence parallelism;
+    - selective recomputation (the attention's softmax output, its dropout mask and output are
+      recomputed, not stored): the 5 a s / h term goes, e.g. s b h (34/t) with sequence
+      parallelism;
     - full recomputation (activation checkpointing of every layer): only the layer's input,
       2 s b h (2 s b h / t with sequence parallelism).
 
