@@ -1,4 +1,5 @@
 """Shared test plumbing: paths, and running the course launcher the way a learner would."""
+import ast
 import json
 import os
 import runpy
@@ -101,6 +102,27 @@ def run_in_process(monkeypatch, capsys, script, *args, env=None):
         runpy.run_path(str(CODE / script), run_name="__main__")
     out = capsys.readouterr()
     return exit_.value.code, out.out, out.err
+
+
+def check_starter(folder: str, name: str, stops: int) -> None:
+    """An exercise starter (code/FOLDER/exercises/NAME) against its solution: exactly `stops`
+    todo() calls, each right after a comment, with a `# TODO(you)` saying how a few lines above;
+    the solution has neither, and both define the same functions and classes (they diff
+    cleanly)."""
+    starter, solution = ((CODE / folder / kind / name).read_text()
+                         for kind in ("exercises", "solutions"))
+    lines = starter.splitlines()
+    found = [i for i, ln in enumerate(lines) if ln.strip().startswith("todo(")]
+    assert len(found) == stops
+    for i in found:
+        assert lines[i - 1].strip().startswith("#"), lines[i]
+        assert any("# TODO(you)" in ln for ln in lines[max(0, i - 5):i]), lines[i]
+    assert "todo(" not in solution and "TODO" not in solution
+
+    def names(src):
+        return {node.name for node in ast.walk(ast.parse(src))
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    assert names(starter) == names(solution)
 
 
 def write_notebook(path, *sources) -> Path:

@@ -5,11 +5,10 @@ transformers). So: one launch of the solution (it trains the one-process referen
 launch of the starter; --help and bad input run in this process (argparse stops
 the scripts before setup(), so they need no process group).
 """
-import ast
 
 import pytest
 
-from conftest import CODE, run_in_process, run_json, run_launcher
+from conftest import CODE, check_starter, run_in_process, run_json, run_launcher
 from distkit.memory import FP32_ADAMW, model_state_bytes
 
 EX = "ch03_zero/{}/ex03_zero1_by_hand.py"
@@ -87,21 +86,7 @@ def test_starter_stops_at_its_first_todo(runs):
 
 
 def test_starter_marks_every_todo():
-    """Every todo() stop has a TODO(you) comment saying how; the solution has neither, and the
-    two define the same functions and classes (so they diff cleanly)."""
-    starter, solution = ((CODE / EX.format(d)).read_text() for d in ("exercises", "solutions"))
-    lines = starter.splitlines()
-    stops = [i for i, ln in enumerate(lines) if ln.strip().startswith("todo(")]
-    assert len(stops) == 3
-    for i in stops:
-        assert lines[i - 1].strip().startswith("#"), lines[i]
-        assert any("# TODO(you)" in ln for ln in lines[max(0, i - 5):i]), lines[i]
-    assert "todo(" not in solution and "TODO" not in solution
-
-    def names(src):
-        return {node.name for node in ast.walk(ast.parse(src))
-                if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-    assert names(starter) == names(solution)
+    check_starter("ch03_zero", "ex03_zero1_by_hand.py", 3)
 
 
 # --- arguments: --help, bad input (in this process: argparse exits before setup) ---------------

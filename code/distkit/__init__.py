@@ -7,6 +7,7 @@
 - `write_json()`: rank 0 writes measured results for notebooks and tests to read.
 - `todo()`: where an exercise starter stops, saying what the learner's code must do.
 - `int_list()`: an argparse type for comma-separated integers ("1,2,4,8").
+- `same_on_all_ranks()`: whether every rank holds exactly the same tensor values (a check).
 
 Submodules, imported where needed:
 - `distkit.toy`: a tiny transformers Llama and generated token data (nothing downloaded).
@@ -15,8 +16,8 @@ Submodules, imported where needed:
 - `distkit.plots`: pictures shared by the notebooks.
 - `distkit.run_course`: `make course`, every notebook through papermill.
 """
-from .dist import (DistEnv, int_list, pick_device, print0, print_ranks, seed_everything, setup,
-                   teardown, todo, write_json)
+from .dist import (DistEnv, int_list, pick_device, print0, print_ranks, same_on_all_ranks,
+                   seed_everything, setup, teardown, todo, write_json)
 
-__all__ = ["DistEnv", "int_list", "pick_device", "print0", "print_ranks", "seed_everything",
-           "setup", "teardown", "todo", "write_json"]
+__all__ = ["DistEnv", "int_list", "pick_device", "print0", "print_ranks", "same_on_all_ranks",
+           "seed_everything", "setup", "teardown", "todo", "write_json"]

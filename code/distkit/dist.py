@@ -106,6 +106,16 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+def same_on_all_ranks(tensors) -> bool:
+    """True when every rank holds exactly the same values: their minimum and maximum over the
+    ranks are equal. (A collective: every rank must call it.)"""
+    v = torch.cat([t.detach().reshape(-1) for t in tensors])
+    lo, hi = v.clone(), v.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return torch.equal(lo, hi)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     try:

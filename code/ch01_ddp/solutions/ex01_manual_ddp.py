@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from distkit import print0, setup, teardown, write_json
+from distkit import print0, same_on_all_ranks, setup, teardown, write_json
 from distkit.toy import counting_data, tiny_llama
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -31,16 +31,6 @@ if args.batch_size < 1:
     parser.error("--batch-size must be positive")
 if args.samples < world * args.batch_size:
     parser.error(f"need --samples >= {world} processes x --batch-size")
-
-
-def same_on_all_ranks(tensors) -> bool:
-    """True when every rank holds exactly the same values: their minimum and maximum over the
-    ranks are equal. (A collective: every rank must call it.)"""
-    v = torch.cat([t.detach().reshape(-1) for t in tensors])
-    lo, hi = v.clone(), v.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    return torch.equal(lo, hi)
 
 
 env = setup()

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
-from distkit import print0, print_ranks, seed_everything, setup, teardown, todo, write_json
+from distkit import (print0, print_ranks, same_on_all_ranks, seed_everything, setup, teardown,
+                     todo, write_json)
 from distkit.toy import counting_data, tiny_llama
 
 # Against one process: float32 rounding differs (the gradient summed in another order); a wrong
@@ -57,16 +58,6 @@ def state_bytes(optimizer) -> int:
     value each) and its step counter (a 4-byte float32 tensor per parameter tensor)."""
     return sum(t.nbytes for state in optimizer.state.values() for t in state.values()
                if torch.is_tensor(t))
-
-
-def same_on_all_ranks(tensors) -> bool:
-    """True when every rank holds exactly the same values: their minimum and maximum over the
-    ranks are equal. (A collective: every rank must call it.)"""
-    v = torch.cat([t.detach().reshape(-1) for t in tensors])
-    lo, hi = v.clone(), v.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    return torch.equal(lo, hi)
 
 
 env = setup()
