@@ -81,7 +81,10 @@ def run_scripts_at_once(runs: dict) -> dict:
     (script relative to code/, args, extra env); returns name -> (exit status, stdout, stderr)."""
     procs = {}
     for name, (script, args, env) in runs.items():
-        env = {**env, "MASTER_PORT": str(free_port())} if "RANK" in env else env
+        # A one-process group binds its store to port 0: the OS picks a free port at bind time.
+        # (A port chosen beforehand, as free_port() does, can be taken by a concurrent launch
+        # before the script binds it: measured once as EADDRINUSE in make test.)
+        env = {**env, "MASTER_PORT": "0"} if "RANK" in env else env
         procs[name] = subprocess.Popen(
             [sys.executable, str(CODE / script), *map(str, args)], text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
