@@ -1,0 +1,267 @@
+"""Chapter 04: what fully_shard does in a training step, and what each of its knobs costs, measured.
+
+    code/run_w_torchrun.sh 2 ch04_fsdp2/inside_fsdp2.py --json build/ch04/inside.json
+
+One launch trains the same seeded tiny Llama for --steps AdamW steps in every configuration
+below, and checks its losses against one process training on the whole global batch. For each
+it measures, on every rank: the bytes it holds at rest (parameters, gradients, AdamW state:
+the storages themselves, padding included), its peak by category during the first step (torch's
+FSDPMemTracker; MemTracker for DDP), and every collective of the second step in order, with its
+bytes, group and the FSDP unit that issued it (distkit.comm.CollectiveLog: CommDebugMode plus
+the profiler's FSDP ranges). Step times go to the JSON only (CPU/gloo: noisy).
+"""
+import argparse
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distkit import print0, print_ranks, seed_everything, setup, teardown, write_json
+from distkit.comm import CollectiveLog
+from distkit.memory import communication_bytes
+from distkit.toy import counting_data, tiny_llama
+
+CONFIGS = {  # name: what differs from "fsdp2" (fully_shard per decoder layer, then the root)
+    "ddp": "DDP, the baseline: everything replicated",
+    "fsdp2": "fully_shard per decoder layer, then the root (defaults)",
+    "root-only": "fully_shard(model) alone: one unit, the whole model gathered at once",
+    "no-reshard": "reshard_after_forward=False: keep gathered parameters until backward",
+    "reshard-root": "reshard_after_forward=True on the root too",
+    "bf16": "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
+    "prefetch": "explicit prefetching: each layer gathers the next (forward) / previous (backward)",
+    "checkpoint": "activation checkpointing of every decoder layer, then fully_shard",
+    "accumulate": "2 micro-batches per step, gradients reduced on the last only",
+    "clip": "clip_grad_norm_(max_norm=0.1) on DTensor gradients",
+}
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list of " + ", ".join(CONFIGS))
+parser.add_argument("--layers", type=int, default=4, help="decoder layers")
+parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank and step")
+parser.add_argument("--steps", type=int, default=3, help="AdamW steps per configuration (>= 2)")
+parser.add_argument("--json", help="write every measurement here (rank 0)")
+args = parser.parse_args()
+configs = args.configs.split(",")
+if unknown := [c for c in configs if c not in CONFIGS]:
+    parser.error(f"unknown config {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+if args.layers < 2 or args.steps < 2 or args.batch_size < 2 or args.batch_size % 2:
+    parser.error("need --layers >= 2, --steps >= 2 and an even --batch-size >= 2")
+if int(os.environ.get("WORLD_SIZE", 1)) * args.batch_size > 256:
+    parser.error("need WORLD_SIZE x --batch-size <= 256 sequences")
+# CommDebugMode's module tracker hooks every module's backward; transformers' dict outputs make
+# torch warn that such hooks may not fire, and FSDP2 that the root returns a view. Not ours.
+warnings.filterwarnings("ignore", message="(For backward hooks|Full backward hook|FSDP2-wrapped)")
+LR, MAX_NORM = 1e-3, 0.1
+
+
+def build():
+    seed_everything(0)  # the same full model on every rank and in the reference
+    return tiny_llama(layers=args.layers).to(env.device)
+
+
+def wrap(config: str, model):
+    """The lines that differ between the configurations: how the model is sharded."""
+    if config == "ddp":
+        return DDP(model, gradient_as_bucket_view=True)
+    layers = list(model.model.layers)
+    if config == "checkpoint":  # recompute each layer's activations in backward (before sharding)
+        model.config.use_cache = False  # no KV cache to keep in training (else transformers warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if config == "bf16" else MixedPrecisionPolicy()
+    if config != "root-only":
+        for layer in layers:
+            fully_shard(layer, reshard_after_forward=config != "no-reshard", mp_policy=mp)
+    # None (the default) reshards every unit but the root: backward needs the root's first
+    root_reshard = {"no-reshard": False, "reshard-root": True}.get(config)
+    fully_shard(model, reshard_after_forward=root_reshard, mp_policy=mp)
+    if config == "prefetch":  # issue the next unit's all-gather before this unit computes
+        for before, after in zip(layers, layers[1:]):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
+    return model
+
+
+def train_step(config: str, model, optimizer, tokens, between=None) -> float:
+    if config == "accumulate":  # two half batches; reduce-scatter only after the second
+        losses = []
+        for i, half in enumerate(tokens.chunk(2)):
+            if i and between:
+                between()
+            model.set_requires_gradient_sync(i == 1)
+            loss = model(input_ids=half, labels=half).loss / 2  # mean over the whole batch
+            loss.backward()
+            losses.append(loss.detach())
+        loss = sum(losses)
+    else:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+    if config == "clip":  # the norm over all shards: DTensor gathers the partial sums for us
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        norms.append(norm.full_tensor().item() if isinstance(norm, DTensor) else norm.item())
+    optimizer.step()
+    optimizer.zero_grad()
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)  # the global batch's loss: every rank's share, averaged
+    return loss.item() / env.world_size
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind these tensors (a DTensor: its local shard), padding
+    and bucket buffers included: what this rank really holds."""
+    storages = {}
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def held(model, optimizer) -> dict:
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    params = storage_bytes(model.parameters())
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+    return {"params": params,
+            "grads": storage_bytes(p.grad for p in model.parameters() if p.grad is not None),
+            "optimizer": storage_bytes(state), "padding": params - local}
+
+
+def by_name(snapshot) -> dict:
+    return {str(getattr(k, "value", k)): v for k, v in snapshot[env.device].items()}
+
+
+def run(config: str) -> dict:
+    model = wrap(config, build())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    if config == "ddp":
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+    else:
+        tracker = FSDPMemTracker(model, optimizer)
+    losses, times = [], []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        if step == 0:  # memory: the first step, where AdamW creates its state
+            with tracker:  # (the tracker needs its per-module stats reset between forwards)
+                losses.append(train_step(config, model, optimizer, mine, tracker.reset_mod_stats))
+            peak = by_name(tracker.get_tracker_snapshot("peak"))
+        elif step == 1:  # collectives: the second step (the first also initialises)
+            with CollectiveLog(profile=True) as log:
+                losses.append(train_step(config, model, optimizer, mine))
+        else:
+            losses.append(train_step(config, model, optimizer, mine))
+        times.append(time.perf_counter() - start)
+    # gradients at rest: zero_grad(set_to_none) dropped them; one more backward brings them back
+    model(input_ids=mine, labels=mine).loss.backward()
+    at_rest = held(model, optimizer)
+    optimizer.zero_grad()
+    return {"losses": losses, "step_s": times, "held": at_rest, "peak": peak,
+            "collectives": [vars(c) for c in log.collectives], "ranges": log.ranges}
+
+
+def reference(clip: bool) -> tuple[list, list]:
+    """One process, the whole global batch, plain AdamW: the losses every configuration must give."""
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses, ref_norms = [], []
+    for _ in range(args.steps):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        if clip:
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, ref_norms
+
+
+env = setup()
+(tokens,) = counting_data(env.world_size * args.batch_size)[:]
+tokens = tokens.to(env.device)
+mine = tokens[env.rank * args.batch_size:(env.rank + 1) * args.batch_size]
+full = build()
+num_params = sum(p.numel() for p in full.parameters())
+root_params = num_params - sum(p.numel() for p in full.model.layers.parameters())
+
+# 1. A sharded parameter is a DTensor: a global shape, and on each rank the rows it stores.
+demo = wrap("fsdp2", build())
+w = demo.model.layers[0].self_attn.q_proj.weight
+print0(f"type(model): {type(demo).__name__} (fully_shard made its class an FSDPModule)")
+print0(f"layers[0].self_attn.q_proj.weight: {type(w).__name__}, global shape {tuple(w.shape)}, "
+       f"placements {w.placements}, mesh {w.device_mesh.mesh.tolist()}")
+print_ranks(f"stores rows {env.rank * w.to_local().shape[0]}-"
+            f"{(env.rank + 1) * w.to_local().shape[0] - 1}: local shape {tuple(w.to_local().shape)}")
+del demo, w
+
+single, _ = reference(clip=False)
+single_clip, ref_norms = reference(clip=True)
+results, norms = {}, []
+for config in configs:
+    results[config] = run(config)
+if "clip" in configs:
+    results["clip"]["norms"] = norms
+every_rank = [None] * env.world_size
+dist.all_gather_object(every_rank, {c: r["held"] for c, r in results.items() if "held" in r})
+
+# 2. One step of the default configuration, collective by collective (rank 0's view).
+if "fsdp2" in configs:
+    print0("\nfsdp2, step 2, in order: collective, bytes, FSDP unit (root = embeddings, norm, head)")
+    for c in results["fsdp2"]["collectives"]:
+        who = (c["unit"] or "root") if c["fsdp_step"] else "(ours: the loss, averaged for the log)"
+        print0(f"  {'backward' if c['backward'] else 'forward ':8s} {c['op']:14s} "
+               f"{c['nbytes']:>9,d} B  {who}")
+    gathered = {b: sum(c["nbytes"] for c in results["fsdp2"]["collectives"]
+                       if c["op"] == "all_gather" and c["backward"] == b) for b in (False, True)}
+    scattered = sum(c["nbytes"] for c in results["fsdp2"]["collectives"]
+                    if c["op"] == "reduce_scatter")
+    print0(f"all-gathered in forward  = 4 B x every parameter:           "
+           f"{gathered[False] == 4 * num_params}")
+    print0(f"all-gathered in backward = 4 B x every parameter but root's: "
+           f"{gathered[True] == 4 * (num_params - root_params)}")
+    print0(f"reduce-scattered         = 4 B x every parameter:           {scattered == 4 * num_params}")
+    if "reshard-root" in configs:
+        total = sum(c["nbytes"] for c in results["reshard-root"]["collectives"] if c["fsdp_step"])
+        print0(f"reshard-root: FSDP's collectives = 3 x 4 B x every parameter (ZeRO-3's 3 Psi): "
+               f"{total == 3 * 4 * num_params}")
+
+# 3. Every configuration: collectives per step, bytes held at rest, parity.
+print0(f"\n{num_params:,} parameters; collectives in step 2: count and bytes; bytes each rank "
+       f"holds at rest (the largest over ranks), and their sum / DDP's")
+print0(f"{'config':13s}{'gathers':>8s}{'scatters':>9s}{'reduces':>8s}{'bytes':>11s}"
+       f"{'params':>10s}{'grads':>10s}{'AdamW':>11s}{'/ DDP':>7s}  losses match")
+for config in configs:
+    res = results[config]
+    count = {op: sum(c["op"] == op for c in res["collectives"])
+             for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    moved = sum(c["nbytes"] for c in res["collectives"])
+    h = {k: max(r[config][k] for r in every_rank) for k in ("params", "grads", "optimizer")}
+    ddp = sum(every_rank[0]["ddp"][k] for k in h) if "ddp" in configs else None
+    res["vs_ddp"] = sum(h.values()) / ddp if ddp else None
+    want = single_clip if config == "clip" else single
+    tol = 1e-2 if config == "bf16" else 1e-5  # bf16 rounds every matmul's inputs
+    res["losses_match"] = max(abs(a - b) for a, b in zip(res["losses"], want)) < tol
+    print0(f"{config:13s}{count['all_gather']:8d}{count['reduce_scatter']:9d}"
+           f"{count['all_reduce']:8d}{moved:11,d}{h['params']:10,d}{h['grads']:10,d}"
+           f"{h['optimizer']:11,d}{res['vs_ddp'] or 0:7.3f}  < {tol:g}: {res['losses_match']}")
+if "ddp" in configs and "fsdp2" in configs:
+    ratio, padding = results["fsdp2"]["vs_ddp"], max(r["fsdp2"]["padding"] for r in every_rank)
+    print0(f"fsdp2 holds 1/N = 1/{env.world_size} of DDP's bytes within 2%: "
+           f"{abs(ratio * env.world_size - 1) <= 0.02}; padding (dim 0 rounded up to a multiple "
+           f"of N) on the worst rank: {padding:,} B")
+if "clip" in configs:
+    same = max(abs(a - b) for a, b in zip(norms, ref_norms)) < 1e-5
+    print0(f"clip: gradient norm before clipping = one process's (< 1e-5): {same}; "
+           f"clipping was active (norm > {MAX_NORM}): {min(norms) > MAX_NORM}")
+write_json(args.json, {"world_size": env.world_size, "num_params": num_params,
+                       "root_params": root_params, "layers": args.layers,
+                       "configs": {c: CONFIGS[c] for c in configs},
+                       "single_losses": single, "single_clip_losses": single_clip,
+                       "ref_norms": ref_norms, "held_every_rank": every_rank,
+                       "comm_formula_zero3": communication_bytes(num_params, env.world_size, 3, 4),
+                       "results": results})
+teardown()
