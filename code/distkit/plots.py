@@ -234,3 +234,72 @@ def plot_memory_vs_ranks(sweeps: dict, formula, gpu_gib: float, ax=None):
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.grid(alpha=0.3, which="both")
     return ax
+
+
+def plot_fsdp_step(ranges: list, ax=None, title: str = ""):
+    """Chapter 04: one FSDP2 training step on rank 0, one row per unit, from the FSDP ranges
+    that torch's profiler recorded (inside_fsdp2.py --json: results[config]["ranges"]): the
+    all-gathers (with their copy-out), the unit's forward and backward compute between FSDP's
+    hooks, and the gradients' reduce-scatter. Times are CPU/gloo: only the order is portable."""
+    ax = ax or plt.subplots(figsize=(11, 3))[1]
+    units = list(dict.fromkeys(u for name, u, _, _ in ranges
+                               if not name.endswith("_pre_forward") and "prefetch" not in name
+                               and name != "root_post_backward_callback"))
+    row = {u: i for i, u in enumerate(units)}
+    colors = {"all-gather": "#f2a900", "forward": "#4c72b0", "backward": "#55a868",
+              "reduce-scatter": "#c44e52"}
+    spans = []  # (unit, kind, start, end)
+    opened = {}
+    for name, unit, start, end in ranges:
+        if name in ("all_gather", "all_gather_copy_out"):
+            spans.append((unit, "all-gather", start, end))
+        elif name == "post_backward_reduce":
+            spans.append((unit, "reduce-scatter", start, end))
+        if name in ("pre_forward", "pre_backward"):  # compute runs from the hook's end ...
+            opened[unit, name] = end
+        elif name == "post_forward" and (unit, "pre_forward") in opened:
+            spans.append((unit, "forward", opened.pop((unit, "pre_forward")), start))
+        elif name == "post_backward_accumulate" and (unit, "pre_backward") in opened:
+            spans.append((unit, "backward", opened.pop((unit, "pre_backward")), start))
+    for unit, kind, start, end in spans:  # ... to the next hook's start
+        enclosing = unit == "" and kind in ("forward", "backward")  # the root's wraps the layers'
+        ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (row[unit] - 0.35, 0.7),
+                       color=colors[kind], alpha=0.3 if enclosing else 1)
+    for kind, color in colors.items():
+        ax.bar(0, 0, color=color, label=kind)
+    ax.set_yticks(range(len(units)), [u or "root" for u in units])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step began (CPU/gloo, rank 0)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.grid(axis="x", alpha=0.3)
+    return ax
+
+
+def plot_peaks(results: dict, configs: list[str], ax=None):
+    """Chapter 04: rank 0's peak during the first step, by the trackers' categories (stacked),
+    one bar per configuration (inside_fsdp2.py --json)."""
+    ax = ax or plt.subplots(figsize=(11, 4))[1]
+    merge = {"Parameter": "params (replica)", "Sharded Param": "params (shards)",
+             "Unsharded Param": "params (gathered)", "Gradient": "grads",
+             "Sharded Grad": "grads", "Unsharded Grad": "grads (unsharded, kept)",
+             "Optstate": "AdamW state", "OptState": "AdamW state", "Activation": "activations"}
+    rows = []
+    for config in configs:
+        cats = {}
+        for k, v in results[config]["peak"].items():
+            if k != "Total" and v:
+                cats[merge.get(k, "temporary buffers")] = cats.get(merge.get(k, "temporary buffers"), 0) + v
+        rows.append(cats)
+    order = list(dict.fromkeys(c for r in rows for c in r))
+    bottom = [0.0] * len(configs)
+    for i, cat in enumerate(order):
+        vals = [r.get(cat, 0) / 2**20 for r in rows]
+        ax.bar(configs, vals, bottom=bottom, label=cat, color=plt.get_cmap("tab10").colors[i % 10])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("MiB on rank 0 at the step's peak")
+    ax.set_title("Peak memory of the first step, by category (torch's memory trackers)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.tick_params(axis="x", rotation=20)
+    ax.grid(axis="y", alpha=0.3)
+    return ax

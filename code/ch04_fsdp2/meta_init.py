@@ -1,0 +1,102 @@
+"""Chapter 04: build the model on the meta device, shard it, then fill the shards: without ever holding it whole.
+
+    code/run_w_torchrun.sh 2 ch04_fsdp2/meta_init.py --json build/ch04/meta_init.json
+
+train_fsdp2.py builds the full model on every rank and shards it afterwards: fine for a tiny
+Llama, impossible for a 70B one. Here every rank builds it on "meta" (shapes, no memory),
+applies fully_shard (still meta), and only then allocates its shards with to_empty(). The
+values come from ONE place: rank 0 builds the seeded model on CPU (in practice it would load a
+checkpoint) and set_model_state_dict(..., broadcast_from_rank0=True) sends each rank its shards.
+The same seed on rank 0 gives the same weights at any world size: a random init of the shards
+on each rank would not (each rank's generator would fill a different slice).
+
+The trap: to_empty() allocates every parameter AND buffer without initialising it, and a
+non-persistent buffer, such as the rotary embedding's inv_freq, is not in any state dict, so
+loading weights does not fill it. The "forgotten" run shows what happens; the "fixed" run
+recomputes it, as the model's __init__ would have.
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit.toy import counting_data, tiny_llama
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank and step")
+parser.add_argument("--steps", type=int, default=3, help="AdamW steps")
+parser.add_argument("--json", help="write the results here (rank 0)")
+args = parser.parse_args()
+if args.batch_size < 1 or args.steps < 1:
+    parser.error("need --batch-size >= 1 and --steps >= 1")
+if int(os.environ.get("WORLD_SIZE", 1)) * args.batch_size > 256:
+    parser.error("need WORLD_SIZE x --batch-size <= 256 sequences")
+
+
+def train(model, batch) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    losses = []
+    for _ in range(args.steps):
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach().clone()
+        if dist.is_initialized() and batch is mine:  # sharded run: average the ranks' losses
+            dist.all_reduce(loss)
+            loss /= env.world_size
+        losses.append(loss.item())
+    return losses
+
+
+def sharded_from_rank0(fix_buffers: bool):
+    with torch.device("meta"):  # every tensor has a shape and a dtype, no storage
+        model = tiny_llama()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device=env.device)  # each rank allocates its shards (and buffers): garbage
+    # Rank 0's full weights, split and sent shard by shard; the other ranks pass nothing.
+    set_model_state_dict(model, full.state_dict() if env.rank == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if fix_buffers:  # non-persistent buffers are in no state dict: compute them again
+        rope = model.model.rotary_emb
+        inv_freq, _ = rope.compute_default_rope_parameters(rope.config)
+        rope.inv_freq.copy_(inv_freq)
+        rope.original_inv_freq.copy_(inv_freq)
+    return model
+
+
+env = setup()
+(tokens,) = counting_data(env.world_size * args.batch_size)[:]
+tokens = tokens.to(env.device)
+mine = tokens[env.rank * args.batch_size:(env.rank + 1) * args.batch_size]
+full, box = None, [None, None]
+if env.rank == 0:  # the one place the weights come from
+    seed_everything(0)
+    full = tiny_llama().to(env.device)
+    reference = tiny_llama().to(env.device)
+    reference.load_state_dict(full.state_dict())
+    # the reference: one process on the whole global batch; and the buffer as __init__ made it
+    box = [train(reference, tokens), full.model.rotary_emb.inv_freq.cpu()]
+    del reference
+dist.broadcast_object_list(box, src=0)
+single, inv_freq = box[0], box[1].to(env.device)
+
+results = {}
+for name, fix in [("forgotten", False), ("fixed", True)]:
+    model = sharded_from_rank0(fix)
+    got = model.model.rotary_emb.inv_freq
+    results[name] = {"inv_freq_ok": bool(torch.equal(got, inv_freq)), "losses": train(model, mine)}
+    match = max(abs(a - b) for a, b in zip(results[name]["losses"], single)) < 1e-5
+    results[name]["losses_match"] = match
+    ok = [None] * env.world_size
+    dist.all_gather_object(ok, results[name]["inv_freq_ok"])
+    print0(f"{name:9s}: rotary inv_freq right on every rank: {all(ok)};  "
+           f"losses = one process's (< 1e-5) on {env.world_size} rank(s): {match}")
+write_json(args.json, {"world_size": env.world_size, "single_losses": single, **results})
+teardown()
