@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                    fully_shard)
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -39,9 +40,11 @@ CONFIGS = {  # name: what differs from "fsdp2" (fully_shard per decoder layer, t
     "checkpoint": "activation checkpointing of every decoder layer, then fully_shard",
     "accumulate": "2 micro-batches per step, gradients reduced on the last only",
     "clip": "clip_grad_norm_(max_norm=0.1) on DTensor gradients",
+    "offload": "CPUOffloadPolicy: shards, gradients and AdamW on the CPU (GPU only)",
 }
+DEFAULT = [c for c in CONFIGS if c != "offload"]  # offloading to the CPU needs a GPU to offload from
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list of " + ", ".join(CONFIGS))
+parser.add_argument("--configs", default=",".join(DEFAULT), help="comma list of " + ", ".join(CONFIGS))
 parser.add_argument("--layers", type=int, default=4, help="decoder layers")
 parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank and step")
 parser.add_argument("--steps", type=int, default=3, help="AdamW steps per configuration (>= 2)")
@@ -50,6 +53,9 @@ args = parser.parse_args()
 configs = args.configs.split(",")
 if unknown := [c for c in configs if c not in CONFIGS]:
     parser.error(f"unknown config {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+if "offload" in configs and not torch.cuda.is_available():
+    parser.error("offload: CPUOffloadPolicy moves shards from a GPU to the CPU; this machine has "
+                 "no GPU (on CPU, parameters already live in CPU memory)")
 if args.layers < 2 or args.steps < 2 or args.batch_size < 2 or args.batch_size % 2:
     parser.error("need --layers >= 2, --steps >= 2 and an even --batch-size >= 2")
 if int(os.environ.get("WORLD_SIZE", 1)) * args.batch_size > 256:
@@ -75,12 +81,14 @@ def wrap(config: str, model):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if config == "bf16" else MixedPrecisionPolicy()
+    # offload: the shards (and so AdamW) live in CPU memory; copied to the GPU to be gathered
+    kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if config == "offload" else OffloadPolicy())
     if config != "root-only":
         for layer in layers:
-            fully_shard(layer, reshard_after_forward=config != "no-reshard", mp_policy=mp)
+            fully_shard(layer, reshard_after_forward=config != "no-reshard", **kw)
     # None (the default) reshards every unit but the root: backward needs the root's first
     root_reshard = {"no-reshard": False, "reshard-root": True}.get(config)
-    fully_shard(model, reshard_after_forward=root_reshard, mp_policy=mp)
+    fully_shard(model, reshard_after_forward=root_reshard, **kw)
     if config == "prefetch":  # issue the next unit's all-gather before this unit computes
         for before, after in zip(layers, layers[1:]):
             before.set_modules_to_forward_prefetch([after])
