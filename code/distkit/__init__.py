@@ -12,6 +12,10 @@
 Submodules, imported where needed:
 - `distkit.toy`: a tiny transformers Llama and generated token data (nothing downloaded).
 - `distkit.ddp`: `CommLog`, a DDP comm hook that records every bucket's all-reduce.
+- `distkit.comm`: `CollectiveLog`, every collective of a piece of code in order, with its bytes,
+  group and (with the profiler) the FSDP unit that issued it.
+- `distkit.tp`: chapter 02's tensor-parallel plans (Megatron), reused by chapter 04's FSDP + TP.
+- `distkit.memory`: chapter 03's formulas and calculator.
 - `distkit.notebook`: launch a script from a notebook (failing the cell if it fails), diffs.
 - `distkit.plots`: pictures shared by the notebooks.
 - `distkit.run_course`: `make course`, every notebook through papermill.
