@@ -13,14 +13,14 @@ One launch trains the same seeded tiny Llama, on the same global batch, in three
   then fully_shard shards the result over "dp" (torchtitan's order: TP first, FSDP last). FSDP
   gathers and reduces over "dp"; TP all-reduces activations over "tp".
 Each layout runs a few AdamW steps; its losses must match one process training on the whole
-global batch. A CommDebugMode subclass names the mesh dimension of each collective's process
-group during one step (forward + backward), and each rank's parameter bytes at rest are counted.
+global batch. distkit.comm.CollectiveLog records the collectives of one step (forward +
+backward), each named by the mesh dimension its process group spans; and each rank's parameter
+bytes at rest are counted.
 """
 import argparse
 import os
 import time
 import warnings
-from collections import defaultdict
 from contextlib import nullcontext
 
 import torch
@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 
 from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit.comm import CollectiveLog
 from distkit.toy import counting_data, tiny_llama
 from distkit.tp import parallelize  # chapter 02's plans, one copy for both chapters
 
@@ -78,60 +78,23 @@ if args.batch_size % world:
     parser.error(f"--batch-size {args.batch_size} does not split over {world} processes")
 
 
-class MeshCommLog(CommDebugMode):
-    """CommDebugMode, plus which dimension of `mesh` each collective's process group is.
-
-    FSDP2 calls c10d ops (c10d._allgather_base_, _reduce_scatter_base_, allreduce_), whose
-    process group is an argument: a ScriptObject that ProcessGroup.unbox turns back into the
-    group. DTensor (TP) calls functional collectives (_c10d_functional.all_reduce), which name
-    their group by a string: the group's group_name. Both are compared with the groups of the
-    mesh's dimensions (mesh.get_group(dim)), so a collective is named by the dimension it crosses.
-    Bytes: of the full tensor each one works on (all-gather's output, reduce-scatter's input).
-    """
-    OPS = {"_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather",
-           "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-           "allreduce_": "all_reduce", "all_reduce": "all_reduce"}
-
-    def __init__(self, mesh):
-        super().__init__()
-        self.dims = {mesh.get_group(d).group_name: d for d in mesh.mesh_dim_names}
-        self.sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
-
-    def __enter__(self):
-        self.count, self.backward, self.bytes = defaultdict(int), defaultdict(int), defaultdict(int)
-        return super().__enter__()
-
-    def dim_of(self, args) -> str:
-        for a in args:
-            if isinstance(a, str) and a in self.dims:  # a functional collective's group name
-                return self.dims[a]
-            if isinstance(a, torch.ScriptObject):  # a c10d op's group (or its ReduceOp)
-                try:
-                    return self.dims.get(dist.ProcessGroup.unbox(a).group_name, "other")
-                except RuntimeError:  # a reduce-scatter's ReduceOp: not a group
-                    continue
-        return "other"  # a group outside the mesh: none expected here, and a test checks it
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = self.get_total_counts()
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.get_total_counts() > before:  # CommDebugMode counted a collective
-            op = str(func._overloadpacket).split(".")[-1]
-            key = (self.OPS.get(op, op), self.dim_of(args))
-            tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
-                       if isinstance(t, torch.Tensor)]
-            self.count[key] += 1
-            self.backward[key] += self.advanced_module_tracker.is_bw
-            self.bytes[key] += max(t.nbytes for t in tensors)
-        return out
-
-    def rows(self) -> list:
-        """One dict per (collective, mesh dimension): FSDP's all-gathers first, then the rest."""
-        order = ["all_gather", "reduce_scatter", "all_reduce"]
-        keys = sorted(self.count, key=lambda k: (order.index(k[0]) if k[0] in order else 9, k))
-        return [{"op": op, "dim": dim, "group_size": self.sizes.get(dim, 0),
-                 "count": self.count[op, dim], "backward": self.backward[op, dim],
-                 "bytes": self.bytes[op, dim]} for op, dim in keys]
+def by_mesh_dim(log: CollectiveLog, mesh) -> list:
+    """The collectives of `log`, one row per (op, mesh dimension its process group spans):
+    count, of which in backward, and bytes. A group is named by comparing its ranks with this
+    rank's group along each dimension of the mesh ("other": none expected, and the notebook
+    checks it)."""
+    dims = {tuple(dist.get_process_group_ranks(mesh.get_group(d))): d for d in mesh.mesh_dim_names}
+    rows = {}
+    for c in log.collectives:
+        dim = dims.get(c.ranks, "other")
+        row = rows.setdefault((c.op, dim), {"op": c.op, "dim": dim, "group_size": len(c.ranks),
+                                            "count": 0, "backward": 0, "bytes": 0})
+        row["count"] += 1
+        row["backward"] += c.backward
+        row["bytes"] += c.nbytes
+    order = ["all_gather", "reduce_scatter", "all_reduce"]  # FSDP's first, then the rest
+    return sorted(rows.values(), key=lambda r: (order.index(r["op"]) if r["op"] in order else 9,
+                                                r["op"], r["dim"]))
 
 
 def build():
@@ -184,10 +147,7 @@ def local_bytes(model) -> int:
                for p in model.parameters())
 
 
-# CommDebugMode's module tracker hooks every module's backward; transformers' dict outputs make
-# torch warn that such hooks may not fire. FSDP2 warns that the root returns a view (we never
-# modify it in place). Neither is ours to fix; keep the output readable.
-warnings.filterwarnings("ignore", message="(For backward hooks|Full backward hook)")
+# FSDP2 warns that the root returns a view (we never modify it in place): keep the output readable
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 env = setup()
 (tokens,) = counting_data(args.batch_size)[:]
@@ -209,7 +169,7 @@ for layout in layouts:
     start = time.perf_counter()
     model = build()
     mesh, (index, size) = shard(layout, model)
-    log = MeshCommLog(mesh)
+    log = CollectiveLog()
     per_dp = args.batch_size // size
     losses = torch.tensor(train(model, tokens[index * per_dp:(index + 1) * per_dp], log),
                           device=env.device)
@@ -220,8 +180,8 @@ for layout in layouts:
     at_rest = [None] * env.world_size
     dist.all_gather_object(at_rest, local_bytes(model))
     diff = max(abs(a - b) for a, b in zip(losses, reference))
-    results[layout] = {"mesh": log.sizes, "losses": losses, "max_loss_diff": diff,
-                       "parity": diff < LOSS_TOL, "collectives": log.rows(),
+    results[layout] = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "losses": losses, "max_loss_diff": diff,
+                       "parity": diff < LOSS_TOL, "collectives": by_mesh_dim(log, mesh),
                        "param_bytes_per_rank": at_rest,
                        "param_bytes_predicted": predicted[layout][0],
                        "seconds": time.perf_counter() - start}
