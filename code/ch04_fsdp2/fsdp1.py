@@ -230,12 +230,16 @@ out = {"world_size": env.world_size, "vocab": VOCAB, "hidden": HIDDEN, "layers":
        "batch_per_rank": BATCH, "steps": args.steps, "single_losses": single}
 
 # --- 0. FSDP1 on CPU ------------------------------------------------------------------------------
-if env.device.type == "cpu":
+# (printed the same on every machine; checked where it applies: no accelerator at all)
+if env.device.type == "cpu" and not torch.accelerator.is_available():
     try:
         FSDP(build(), auto_wrap_policy=policy)
+        raise AssertionError("FSDP1 started without device_id and without an accelerator")
     except RuntimeError as e:
-        print0(f"FSDP(model) on CPU without device_id: RuntimeError: {e}")
-    print0("so every FSDP(...) here passes device_id=torch.device('cpu')\n")
+        assert "accelerator" in str(e), e
+print0("FSDP(model) without device_id needs an accelerator: with none it raises RuntimeError "
+       "(\"FSDP needs a non-CPU accelerator device\");\nso every FSDP(...) here passes "
+       "device_id=this rank's device (torch.device('cpu') on CPU)\n")
 
 # --- 1. the FlatParameter -------------------------------------------------------------------------
 model = wrap(build())  # FULL_SHARD, use_orig_params=False: FSDP1's defaults

@@ -36,7 +36,8 @@ CONFIGS = {  # name: what differs from "fsdp2" (fully_shard per decoder layer, t
     "no-reshard": "reshard_after_forward=False: keep gathered parameters until backward",
     "reshard-root": "reshard_after_forward=True on the root too",
     "bf16": "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
-    "prefetch": "explicit prefetching: each layer gathers the next (forward) / previous (backward)",
+    "keep-last": "the last layer not resharded after forward (backward needs it first)",
+    "prefetch": "explicit forward prefetching: each layer's pre-forward gathers the next layer",
     "checkpoint": "activation checkpointing of every decoder layer, then fully_shard",
     "accumulate": "2 micro-batches per step, gradients reduced on the last only",
     "clip": "clip_grad_norm_(max_norm=0.1) on DTensor gradients",
@@ -82,17 +83,20 @@ def wrap(config: str, model):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if config == "bf16" else MixedPrecisionPolicy()
     # offload: the shards (and so AdamW) live in CPU memory; copied to the GPU to be gathered
-    kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if config == "offload" else OffloadPolicy())
+    kw = dict(mp_policy=mp,
+              offload_policy=CPUOffloadPolicy() if config == "offload" else OffloadPolicy())
     if config != "root-only":
-        for layer in layers:
-            fully_shard(layer, reshard_after_forward=config != "no-reshard", **kw)
+        for i, layer in enumerate(layers):
+            # keep-last (torchtitan's choice): backward starts with the last layer, so resharding
+            # it after its forward only to gather it again at once is a wasted all-gather
+            keep = config == "no-reshard" or (config == "keep-last" and i == len(layers) - 1)
+            fully_shard(layer, reshard_after_forward=not keep, **kw)
     # None (the default) reshards every unit but the root: backward needs the root's first
     root_reshard = {"no-reshard": False, "reshard-root": True}.get(config)
     fully_shard(model, reshard_after_forward=root_reshard, **kw)
     if config == "prefetch":  # issue the next unit's all-gather before this unit computes
-        for before, after in zip(layers, layers[1:]):
+        for before, after in zip(layers, layers[1:]):  # (backward prefetches 1 by default)
             before.set_modules_to_forward_prefetch([after])
-            after.set_modules_to_backward_prefetch([before])
     return model
 
 
@@ -134,9 +138,12 @@ def held(model, optimizer) -> dict:
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     params = storage_bytes(model.parameters())
     local = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
-    return {"params": params,
-            "grads": storage_bytes(p.grad for p in model.parameters() if p.grad is not None),
-            "optimizer": storage_bytes(state), "padding": params - local}
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    everything = [*model.parameters(), *grads, *state]
+    on_host = [t for t in everything if t.device.type == "cpu"]
+    return {"params": params, "grads": storage_bytes(grads), "optimizer": storage_bytes(state),
+            "padding": params - local, "host": storage_bytes(on_host),
+            "device": storage_bytes(t for t in everything if t.device.type != "cpu")}
 
 
 def by_name(snapshot) -> dict:
@@ -195,6 +202,13 @@ mine = tokens[env.rank * args.batch_size:(env.rank + 1) * args.batch_size]
 full = build()
 num_params = sum(p.numel() for p in full.parameters())
 root_params = num_params - sum(p.numel() for p in full.model.layers.parameters())
+# What FSDP2 communicates: each parameter with its first dimension padded to a multiple of N
+# (the same as num_params when N divides every first dimension)
+padded = {n: -(-p.shape[0] // env.world_size) * env.world_size * p.numel() // p.shape[0]
+          for n, p in full.named_parameters()}
+psi = sum(padded.values())
+psi_root = psi - sum(v for n, v in padded.items() if n.startswith("model.layers."))
+divides = psi == num_params
 
 # 1. A sharded parameter is a DTensor: a global shape, and on each rank the rows it stores.
 demo = wrap("fsdp2", build())
@@ -202,8 +216,10 @@ w = demo.model.layers[0].self_attn.q_proj.weight
 print0(f"type(model): {type(demo).__name__} (fully_shard made its class an FSDPModule)")
 print0(f"layers[0].self_attn.q_proj.weight: {type(w).__name__}, global shape {tuple(w.shape)}, "
        f"placements {w.placements}, mesh {w.device_mesh.mesh.tolist()}")
-print_ranks(f"stores rows {env.rank * w.to_local().shape[0]}-"
-            f"{(env.rank + 1) * w.to_local().shape[0] - 1}: local shape {tuple(w.to_local().shape)}")
+rows = -(-w.shape[0] // env.world_size)  # torch.chunk: ceil(d0 / N) rows each, the last fewer
+start = min(env.rank * rows, w.shape[0])
+print_ranks(f"stores rows {start}-{start + w.to_local().shape[0] - 1}: "
+            f"local shape {tuple(w.to_local().shape)}")
 del demo, w
 
 single, _ = reference(clip=False)
@@ -221,21 +237,23 @@ if "fsdp2" in configs:
     print0("\nfsdp2, step 2, in order: collective, bytes, FSDP unit (root = embeddings, norm, head)")
     for c in results["fsdp2"]["collectives"]:
         who = (c["unit"] or "root") if c["fsdp_step"] else "(ours: the loss, averaged for the log)"
-        print0(f"  {'backward' if c['backward'] else 'forward ':8s} {c['op']:14s} "
-               f"{c['nbytes']:>9,d} B  {who}")
+        when = ("backward" if c["backward"] else "forward") if c["fsdp_step"] else "after"
+        print0(f"  {when:8s} {c['op']:14s} {c['nbytes']:>9,d} B  {who}")
     gathered = {b: sum(c["nbytes"] for c in results["fsdp2"]["collectives"]
                        if c["op"] == "all_gather" and c["backward"] == b) for b in (False, True)}
     scattered = sum(c["nbytes"] for c in results["fsdp2"]["collectives"]
                     if c["op"] == "reduce_scatter")
-    print0(f"all-gathered in forward  = 4 B x every parameter:           "
-           f"{gathered[False] == 4 * num_params}")
-    print0(f"all-gathered in backward = 4 B x every parameter but root's: "
-           f"{gathered[True] == 4 * (num_params - root_params)}")
-    print0(f"reduce-scattered         = 4 B x every parameter:           {scattered == 4 * num_params}")
+    if not divides:
+        print0(f"(N = {env.world_size} does not divide every first dimension: Psi counts "
+               "the parameters padded)")
+    print0(f"all-gathered in forward  = 4 B x Psi:                    {gathered[False] == 4 * psi}")
+    print0(f"all-gathered in backward = 4 B x (Psi - the root's):     "
+           f"{gathered[True] == 4 * (psi - psi_root)}")
+    print0(f"reduce-scattered         = 4 B x Psi:                    {scattered == 4 * psi}")
     if "reshard-root" in configs:
         total = sum(c["nbytes"] for c in results["reshard-root"]["collectives"] if c["fsdp_step"])
-        print0(f"reshard-root: FSDP's collectives = 3 x 4 B x every parameter (ZeRO-3's 3 Psi): "
-               f"{total == 3 * 4 * num_params}")
+        print0(f"reshard-root: FSDP's collectives = 3 x 4 B x Psi (ZeRO-3's 3 Psi): "
+               f"{total == 3 * 4 * psi}")
 
 # 3. Every configuration: collectives per step, bytes held at rest, parity.
 print0(f"\n{num_params:,} parameters; collectives in step 2: count and bytes; bytes each rank "
@@ -253,20 +271,25 @@ for config in configs:
     want = single_clip if config == "clip" else single
     tol = 1e-2 if config == "bf16" else 1e-5  # bf16 rounds every matmul's inputs
     res["losses_match"] = max(abs(a - b) for a, b in zip(res["losses"], want)) < tol
+    vs = f"{res['vs_ddp']:7.3f}" if ddp else f"{'':7s}"
     print0(f"{config:13s}{count['all_gather']:8d}{count['reduce_scatter']:9d}"
            f"{count['all_reduce']:8d}{moved:11,d}{h['params']:10,d}{h['grads']:10,d}"
-           f"{h['optimizer']:11,d}{res['vs_ddp'] or 0:7.3f}  < {tol:g}: {res['losses_match']}")
+           f"{h['optimizer']:11,d}{vs}  < {tol:g}: {res['losses_match']}")
 if "ddp" in configs and "fsdp2" in configs:
-    ratio, padding = results["fsdp2"]["vs_ddp"], max(r["fsdp2"]["padding"] for r in every_rank)
+    ratio = results["fsdp2"]["vs_ddp"]
     print0(f"fsdp2 holds 1/N = 1/{env.world_size} of DDP's bytes within 2%: "
-           f"{abs(ratio * env.world_size - 1) <= 0.02}; padding (dim 0 rounded up to a multiple "
-           f"of N) on the worst rank: {padding:,} B")
+           f"{abs(ratio * env.world_size - 1) <= 0.02}; padding of the parameters (dim 0 rounded "
+           f"up to a multiple of N), per rank: {[r['fsdp2']['padding'] for r in every_rank]} B")
+if "offload" in configs:
+    h = results["offload"]["held"]
+    print0(f"offload: bytes at rest in host memory {h['host']:,}, on the GPU {h['device']:,}")
 if "clip" in configs:
     same = max(abs(a - b) for a, b in zip(norms, ref_norms)) < 1e-5
     print0(f"clip: gradient norm before clipping = one process's (< 1e-5): {same}; "
            f"clipping was active (norm > {MAX_NORM}): {min(norms) > MAX_NORM}")
 write_json(args.json, {"world_size": env.world_size, "num_params": num_params,
-                       "root_params": root_params, "layers": args.layers,
+                       "root_params": root_params, "padded_params": psi,
+                       "padded_root_params": psi_root, "layers": args.layers,
                        "configs": {c: CONFIGS[c] for c in configs},
                        "single_losses": single, "single_clip_losses": single_clip,
                        "ref_norms": ref_norms, "held_every_rank": every_rank,

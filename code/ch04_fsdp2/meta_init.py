@@ -5,8 +5,10 @@
 train_fsdp2.py builds the full model on every rank and shards it afterwards: fine for a tiny
 Llama, impossible for a 70B one. Here every rank builds it on "meta" (shapes, no memory),
 applies fully_shard (still meta), and only then allocates its shards with to_empty(). The
-values come from ONE place: rank 0 builds the seeded model on CPU (in practice it would load a
-checkpoint) and set_model_state_dict(..., broadcast_from_rank0=True) sends each rank its shards.
+values come from ONE place: rank 0 builds the seeded model (in practice it would load a
+checkpoint; here it trains it briefly, so that it has learned to use positions, as a real
+checkpoint has) and set_model_state_dict(..., broadcast_from_rank0=True) sends each rank its
+shards.
 The same seed on rank 0 gives the same weights at any world size: a random init of the shards
 on each rank would not (each rank's generator would fill a different slice).
 
@@ -37,10 +39,10 @@ if int(os.environ.get("WORLD_SIZE", 1)) * args.batch_size > 256:
     parser.error("need WORLD_SIZE x --batch-size <= 256 sequences")
 
 
-def train(model, batch) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+def train(model, batch, steps: int) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     losses = []
-    for _ in range(args.steps):
+    for _ in range(steps):
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         optimizer.step()
@@ -79,10 +81,11 @@ full, box = None, [None, None]
 if env.rank == 0:  # the one place the weights come from
     seed_everything(0)
     full = tiny_llama().to(env.device)
+    train(full, counting_data(16, seed=99)[:][0].to(env.device), 32)  # the "checkpoint"
     reference = tiny_llama().to(env.device)
     reference.load_state_dict(full.state_dict())
     # the reference: one process on the whole global batch; and the buffer as __init__ made it
-    box = [train(reference, tokens), full.model.rotary_emb.inv_freq.cpu()]
+    box = [train(reference, tokens, args.steps), full.model.rotary_emb.inv_freq.cpu()]
     del reference
 dist.broadcast_object_list(box, src=0)
 single, inv_freq = box[0], box[1].to(env.device)
@@ -91,7 +94,8 @@ results = {}
 for name, fix in [("forgotten", False), ("fixed", True)]:
     model = sharded_from_rank0(fix)
     got = model.model.rotary_emb.inv_freq
-    results[name] = {"inv_freq_ok": bool(torch.equal(got, inv_freq)), "losses": train(model, mine)}
+    results[name] = {"inv_freq_ok": bool(torch.equal(got, inv_freq)),
+                     "losses": train(model, mine, args.steps)}
     match = max(abs(a - b) for a, b in zip(results[name]["losses"], single)) < 1e-5
     results[name]["losses_match"] = match
     ok = [None] * env.world_size

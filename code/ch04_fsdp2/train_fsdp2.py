@@ -71,4 +71,5 @@ weight = model.model.embed_tokens.weight
 print0(f"embed_tokens.weight: {type(weight).__name__}, global shape {tuple(weight.shape)}, "
        f"this rank stores {tuple(weight.to_local().shape)}, placements {weight.placements}")
 write_json(args.json, {"losses": losses})
+# (no --save: saving a sharded model, each rank its shards, is chapter 05's Distributed Checkpoint)
 teardown()

@@ -283,20 +283,26 @@ def plot_peaks(results: dict, configs: list[str], ax=None):
     merge = {"Parameter": "params (replica)", "Sharded Param": "params (shards)",
              "Unsharded Param": "params (gathered)", "Gradient": "grads",
              "Sharded Grad": "grads", "Unsharded Grad": "grads (unsharded, kept)",
-             "Optstate": "AdamW state", "OptState": "AdamW state", "Activation": "activations"}
+             "Optstate": "AdamW state", "OptState": "AdamW state", "Activation": "activations",
+             "Buffer": "buffers"}
+    colors = {"params (replica)": "#5e35b1", "params (shards)": "#9575cd",
+              "params (gathered)": "#d1c4e9", "grads": STATE_COLORS["grads"],
+              "grads (unsharded, kept)": "#e377c2", "AdamW state": STATE_COLORS["optimizer"],
+              "activations": "#55a868", "buffers": "#7f7f7f", "temporary buffers": "#f2a900"}
     rows = []
     for config in configs:
         cats = {}
         for k, v in results[config]["peak"].items():
             if k != "Total" and v:
-                cats[merge.get(k, "temporary buffers")] = cats.get(merge.get(k, "temporary buffers"), 0) + v
+                name = merge.get(k, "temporary buffers")  # Temp, All-Gather, Reduce-Scatter, ...
+                cats[name] = cats.get(name, 0) + v
         rows.append(cats)
-    order = list(dict.fromkeys(c for r in rows for c in r))
     bottom = [0.0] * len(configs)
-    for i, cat in enumerate(order):
+    for cat, color in colors.items():
         vals = [r.get(cat, 0) / 2**20 for r in rows]
-        ax.bar(configs, vals, bottom=bottom, label=cat, color=plt.get_cmap("tab10").colors[i % 10])
-        bottom = [b + v for b, v in zip(bottom, vals)]
+        if any(vals):
+            ax.bar(configs, vals, bottom=bottom, label=cat, color=color)
+            bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("MiB on rank 0 at the step's peak")
     ax.set_title("Peak memory of the first step, by category (torch's memory trackers)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
