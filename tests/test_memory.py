@@ -70,3 +70,24 @@ def test_calculator_adds_activations_to_the_model_states():
                           hidden=256, heads=4)
     act = 2 * activation_bytes_per_layer(128, 1, 256, 4)
     assert both["activations"] == act and both["total"] == pytest.approx(states["total"] + act)
+
+
+def test_storage_bytes_counts_each_storage_once_whole_and_a_dtensor_by_its_shard():
+    import torch
+    from distkit.memory import storage_bytes
+    base = torch.zeros(10)  # 40 B
+    views = [base[:3], base[5:], None]  # two views of one storage, and a missing gradient
+    assert storage_bytes(views) == 40  # the whole storage, once: padding and buffers included
+
+    class Sharded:  # duck-typed like a DTensor: what this rank holds is its local shard
+        def to_local(self):
+            return torch.zeros(4, dtype=torch.float64)
+    assert storage_bytes([Sharded(), base]) == 32 + 40
+
+
+def test_by_category_names_the_trackers_enum_keys():
+    from enum import Enum
+    from distkit.memory import by_category
+    Kind = Enum("Kind", {"PARAM": "Parameter", "OPT": "OptState"})
+    snapshot = {"cpu": {Kind.PARAM: 8, Kind.OPT: 16, "Total": 24}}
+    assert by_category(snapshot, "cpu") == {"Parameter": 8, "OptState": 16, "Total": 24}

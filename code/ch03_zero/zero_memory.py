@@ -29,7 +29,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import print0, seed_everything, setup, teardown, write_json
-from distkit.memory import FP32_ADAMW, model_state_bytes
+from distkit.memory import FP32_ADAMW, by_category, model_state_bytes, storage_bytes
 from distkit.toy import counting_data, tiny_llama
 
 CATEGORIES = ["params at rest", "params in use", "grads", "optimizer"]
@@ -77,11 +77,6 @@ def wrap(strategy: str, model):
     return model, torch.optim.AdamW(model.parameters(), **adamw)
 
 
-def by_name(snapshot) -> dict:
-    """A tracker snapshot of this rank's device, keyed by category name ("Parameter", ...)."""
-    return {str(getattr(k, "value", k)): v for k, v in snapshot[env.device].items()}
-
-
 def run(strategy: str) -> dict:
     model, optimizer = wrap(strategy, build())
     fsdp = strategy.startswith("fsdp2")
@@ -93,14 +88,13 @@ def run(strategy: str) -> dict:
         if step == 0:  # the first step, inside the tracker: the optimizer creates its state
             with tracker:
                 loss = model(input_ids=mine, labels=mine).loss
-                end_of_forward = by_name(tracker.get_tracker_snapshot("current"))
+                end_of_forward = by_category(tracker.get_tracker_snapshot("current"), env.device)
                 loss.backward()
                 optimizer.step()
-                at_rest = by_name(tracker.get_tracker_snapshot("current"))
-            peak = by_name(tracker.get_tracker_snapshot("peak"))
-            grad_storages = {} if fsdp else {  # DTensor gradients: the tracker sees them
-                g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
-                for p in model.parameters() if (g := p.grad) is not None}
+                at_rest = by_category(tracker.get_tracker_snapshot("current"), env.device)
+            peak = by_category(tracker.get_tracker_snapshot("peak"), env.device)
+            # (DDP's gradients; FSDP2's DTensor gradients the tracker sees itself)
+            grads_held = 0 if fsdp else storage_bytes(p.grad for p in model.parameters())
         else:
             loss = model(input_ids=mine, labels=mine).loss
             loss.backward()
@@ -120,7 +114,7 @@ def run(strategy: str) -> dict:
         # the tracker (track_external installs no gradient hooks) first meets them. So we count
         # the distinct storages that hold them (the JSON keeps the tracker's Temp to compare).
         got = {"params at rest": at_rest["Parameter"], "params in use": end_of_forward["Parameter"],
-               "grads": sum(grad_storages.values()), "optimizer": at_rest["Optstate"]}
+               "grads": grads_held, "optimizer": at_rest["Optstate"]}
     return {"losses": losses, "measured": got, "end_of_forward": end_of_forward,
             "at_rest": at_rest, "peak": peak}
 

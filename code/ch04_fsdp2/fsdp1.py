@@ -37,6 +37,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from distkit import (print0, print_ranks, same_on_all_ranks, seed_everything, setup, teardown,
                      write_json)
+from distkit.memory import by_category, storage_bytes
 from distkit.toy import counting_data, tiny_llama
 
 VOCAB, HIDDEN, LAYERS, BATCH, LR = 127, 64, 2, 4, 1e-3  # BATCH: sequences per rank
@@ -113,17 +114,6 @@ def units(model: FSDP) -> dict:
             for name, m in model.named_modules() if isinstance(m, FSDP)}
 
 
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind some tensors (views of one storage count once)."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors if t is not None}.values())
-
-
-def by_name(snapshot) -> dict:
-    """A MemTracker snapshot of this rank's device, keyed by category name ("Parameter", ...)."""
-    return {str(getattr(k, "value", k)): v for k, v in snapshot[env.device].items()}
-
-
 def collectives(comm: CommDebugMode) -> dict:
     """CommDebugMode's c10d op counts, by kind (on CPU FSDP1 all-gathers into a list: allgather_;
     on GPU into one tensor: _allgather_base_)."""
@@ -160,13 +150,13 @@ def train(strategy: str, **options) -> tuple[FSDP, dict]:
         with CommDebugMode() as comm, (tracker if step == 0 else nullcontext()):
             loss = model(input_ids=mine, labels=mine).loss
             if step == 0:
-                end_of_forward = by_name(tracker.get_tracker_snapshot("current"))
+                end_of_forward = by_category(tracker.get_tracker_snapshot("current"), env.device)
             loss.backward()
             if step == 0:
                 grads = storage_bytes(p.grad for p in model.parameters())
             optimizer.step()
             if step == 0:
-                at_rest = by_name(tracker.get_tracker_snapshot("current"))
+                at_rest = by_category(tracker.get_tracker_snapshot("current"), env.device)
         optimizer.zero_grad()
         per_step.append(collectives(comm))
         losses.append(global_loss(loss))

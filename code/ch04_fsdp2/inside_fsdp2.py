@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import print0, print_ranks, seed_everything, setup, teardown, write_json
 from distkit.comm import CollectiveLog
-from distkit.memory import communication_bytes
+from distkit.memory import by_category, communication_bytes, storage_bytes
 from distkit.toy import counting_data, tiny_llama
 
 CONFIGS = {  # name: what differs from "fsdp2" (fully_shard per decoder layer, then the root)
@@ -124,16 +124,6 @@ def train_step(config: str, model, optimizer, tokens, between=None) -> float:
     return loss.item() / env.world_size
 
 
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind these tensors (a DTensor: its local shard), padding
-    and bucket buffers included: what this rank really holds."""
-    storages = {}
-    for t in tensors:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
 def held(model, optimizer) -> dict:
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     params = storage_bytes(model.parameters())
@@ -144,10 +134,6 @@ def held(model, optimizer) -> dict:
     return {"params": params, "grads": storage_bytes(grads), "optimizer": storage_bytes(state),
             "padding": params - local, "host": storage_bytes(on_host),
             "device": storage_bytes(t for t in everything if t.device.type != "cpu")}
-
-
-def by_name(snapshot) -> dict:
-    return {str(getattr(k, "value", k)): v for k, v in snapshot[env.device].items()}
 
 
 def run(config: str) -> dict:
@@ -164,7 +150,7 @@ def run(config: str) -> dict:
         if step == 0:  # memory: the first step, where AdamW creates its state
             with tracker:  # (the tracker needs its per-module stats reset between forwards)
                 losses.append(train_step(config, model, optimizer, mine, tracker.reset_mod_stats))
-            peak = by_name(tracker.get_tracker_snapshot("peak"))
+            peak = by_category(tracker.get_tracker_snapshot("peak"), env.device)
         elif step == 1:  # collectives: the second step (the first also initialises)
             with CollectiveLog(profile=True) as log:
                 losses.append(train_step(config, model, optimizer, mine))

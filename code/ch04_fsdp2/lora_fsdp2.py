@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit.memory import by_category
 from distkit.toy import counting_data, tiny_llama
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -109,10 +110,6 @@ def optimizer_for(model):
                              weight_decay=0.01)
 
 
-def by_name(snapshot) -> dict:
-    return {str(getattr(k, "value", k)): v for k, v in snapshot[env.device].items()}
-
-
 def train(model, steps: int) -> tuple[list[float], dict]:
     """AdamW steps on this rank's sequences; the first inside FSDPMemTracker. Returns the global
     batch's losses and this rank's bytes by category after the first optimizer.step()."""
@@ -125,7 +122,7 @@ def train(model, steps: int) -> tuple[list[float], dict]:
             loss.backward()  # reduce-scatters the gradients of the trainable parameters only
             optimizer.step()
             if step == 0:
-                at_rest = by_name(tracker.get_tracker_snapshot("current"))
+                at_rest = by_category(tracker.get_tracker_snapshot("current"), env.device)
         optimizer.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # the global batch's loss: every rank's share, averaged

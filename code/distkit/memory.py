@@ -1,6 +1,8 @@
 """How many bytes training takes per rank: the formulas chapter 03 checks against torch's trackers.
 
-Pure functions, no torch. Sizes are in bytes; `GB` is 10^9 bytes, as in the ZeRO paper.
+Pure functions, no torch import. Sizes are in bytes; `GB` is 10^9 bytes, as in the ZeRO paper.
+At the end, two helpers that read what a rank measured: a tracker snapshot by category name, and
+the bytes of the storages a rank holds.
 
 Sources:
 - [ZeRO] Rajbhandari, Rasley, Ruwase, He, "ZeRO: Memory Optimizations Toward Training Trillion
@@ -177,3 +179,22 @@ def training_bytes(num_params: float, *, world_size: int = 1, stage: int = 0,
         sequence_parallel=sequence_parallel, recompute=recompute) if layers else 0.0
     out["total"] += out["activations"]
     return out
+
+
+def by_category(snapshot: dict, device) -> dict:
+    """A MemTracker / FSDPMemTracker snapshot of one device, keyed by category name ("Parameter",
+    "Sharded Grad", "OptState", "Total", ...): the trackers key it by enums."""
+    return {str(getattr(k, "value", k)): v for k, v in snapshot[device].items()}
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind these tensors (a DTensor: its local shard; None is
+    skipped): views of one storage count once, padding and bucket buffers in full. What a rank
+    really holds, where the tensors' own sizes would miss padding or count shared buffers twice."""
+    storages = {}
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
