@@ -48,7 +48,9 @@ def test_failure_ends_with_a_short_summary(tmp_path):
     # each rank's own error (usage + error line), then the two-line summary; before the summary
     # existed, torchrun's ChildFailedError traceback made this ~45 lines
     assert len(lines) <= 8, proc.stderr
-    assert sum("collectives.py: error: unknown --op nope" in ln for ln in lines[:-2]) == 2
+    # 1 or 2 ranks: torchrun stops the others as soon as one fails, so on a busy machine the
+    # slower rank can be stopped before its argparse has printed anything
+    assert sum("collectives.py: error: unknown --op nope" in ln for ln in lines[:-2]) in (1, 2)
     assert lines[-2].startswith("run_w_torchrun.sh: rank ")
     assert "failed first (exit code 2): collectives.py: error: unknown --op nope" in lines[-2]
     assert "exit status 1" in lines[-1] and str(tmp_path) in lines[-1]
