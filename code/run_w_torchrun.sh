@@ -14,6 +14,8 @@
 #
 # Environment knobs:
 #   RANKS=0            show only these local ranks' output on the console (e.g. RANKS=0,1)
+#   MAX_RESTARTS=N     when a rank fails, stop the others and restart the whole group, up to N
+#                      times (torchrun --max-restarts; each attempt sees TORCHELASTIC_RESTART_COUNT)
 #   LOG_DIR=DIR        keep the logs in DIR/<run>/ instead of build/logs/<run>/ (each rank's in
 #                      DIR/<run>/<torchrun's run id>/attempt_0/<local rank>/{stdout,stderr}.log)
 #   OMP_NUM_THREADS    left alone if set; else cores / NPROC (at least 1), so ranks don't
@@ -57,6 +59,15 @@ else
   args+=(--standalone --local-addr localhost)
 fi
 [[ -z "${RANKS:-}" ]] || args+=(--local-ranks-filter "$RANKS")
+if [[ -n "${MAX_RESTARTS:-}" ]]; then
+  [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "MAX_RESTARTS must be a non-negative integer, got '$MAX_RESTARTS'"
+  args+=(--max-restarts "$MAX_RESTARTS")
+  # A restarted group would meet in the failed group's key-value store (torchrun's, kept across
+  # attempts), where the dead ranks' gloo/NCCL addresses are still written: a restarted rank can
+  # read one and fail with "Connection refused" (measured here: 1 restart in 2; pytorch#135712).
+  # With the store not shared, rank 0 hosts a new one on a new port at every attempt.
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+fi
 # Logs in the repo's build/ rather than an empty torchelastic_* folder in the temp dir per run;
 # --tee 3: to the log files and to the console.
 run_dir="${LOG_DIR:-$root/build/logs}/$(date +%Y%m%d-%H%M%S)-$(basename "$script" .py)-$$"

@@ -1,0 +1,167 @@
+"""Chapter 05's "after": train_fsdp2.py that saves, and resumes from, Distributed Checkpoints.
+
+    MAX_RESTARTS=1 CRASH_AT=step:13 code/run_w_torchrun.sh 2 ch05_checkpoint/train_ckpt.py \
+        --ckpt-dir /tmp/ckpt --save-every 5 --resume --json /tmp/run.json
+
+It is chapter 04's train_fsdp2.py plus what a job needs to be stopped and resumed exactly (new
+lines say # NEW). Every --save-every steps each rank writes its own shards with dcp.save into
+step_NNNNNN.tmp/, and rank 0 commits the folder with an atomic rename (distkit.ckpt). With
+--resume the run starts from the newest checkpoint whose files all check out, with the model,
+AdamW's state, the LR schedule, the position in the data, the losses so far and each rank's
+random generators as they were: the rest of the run is then bit-identical to a run that never
+stopped. The checkpoint can be loaded on a different number of ranks (resharding).
+
+A real failure, for the lesson: CRASH_AT=step:K kills one rank (CRASH_RANK, default the last)
+with SIGKILL just after step K; CRASH_AT=save:K kills it after it wrote its shards of step K's
+checkpoint, before the commit. Only in torchrun's first attempt, so the restarted group
+(MAX_RESTARTS=1 for the launcher) runs through.
+"""
+import argparse
+import itertools
+import math
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp  # NEW
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit.ckpt import (AppState, CheckpointDir, RNGState, read_manifest,  # NEW
+                          saved_keys, state_digest)
+from distkit.toy import counting_data, tiny_llama
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--batch-size", type=int, default=8, help="sequences per step, per process")
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
+parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--json", help="write per-step losses here")
+parser.add_argument("--ckpt-dir", help="NEW: keep checkpoints here (step_NNNNNN/ folders)")
+parser.add_argument("--save-every", type=int, default=5, help="NEW: steps between checkpoints")
+parser.add_argument("--keep", type=int, default=2, help="NEW: how many checkpoints to keep")
+parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
+                    help="NEW: start from the newest good checkpoint in --ckpt-dir, "
+                         "or from the checkpoint folder given")
+parser.add_argument("--stop-after", type=int, help="NEW: stop after this step (an interruption)")
+args = parser.parse_args()
+world = int(os.environ.get("WORLD_SIZE", 1))  # every rank needs at least one batch
+if args.batch_size < 1 or args.samples < world * args.batch_size:
+    parser.error(f"need 1 <= --batch-size and --samples >= {world} processes x --batch-size")
+if args.save_every < 1 or args.keep < 1:
+    parser.error("--save-every and --keep must be at least 1")
+if args.resume == "latest" and not args.ckpt_dir:
+    parser.error("--resume without a folder needs --ckpt-dir")
+if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
+    parser.error(f"--resume: no checkpoint folder {args.resume}")
+
+env = setup()
+seed_everything(args.seed)
+model = tiny_llama().to(env.device)
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+data = counting_data(args.samples)
+sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
+loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+steps_per_epoch, total_steps = len(loader), len(loader) * args.epochs
+# NEW: a learning-rate schedule (linear warm-up, cosine decay): its position is training state
+# too, and a resume that forgot it would restart the warm-up
+warmup = max(1, total_steps // 10)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
+    (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))))
+
+
+class Progress:  # NEW: where we are in the run, as DCP's Stateful protocol wants it
+    """Steps done (they give the epoch and the batch within it), the global batch they were
+    made with (a resume with another one would read different data), the LR schedule and the
+    losses so far."""
+
+    def __init__(self):
+        self.step, self.losses = 0, []
+
+    def state_dict(self):
+        return {"step": self.step, "global_batch": env.world_size * args.batch_size,
+                "scheduler": scheduler.state_dict(), "losses": self.losses}
+
+    def load_state_dict(self, state):
+        if state["global_batch"] != env.world_size * args.batch_size:
+            raise SystemExit(f"train_ckpt.py: the checkpoint was made with a global batch of "
+                             f"{state['global_batch']} sequences; {env.world_size} processes x "
+                             f"--batch-size {args.batch_size} is {env.world_size * args.batch_size}")
+        self.step, self.losses = state["step"], state["losses"]
+        scheduler.load_state_dict(state["scheduler"])
+
+
+def crash_if(where, step):  # NEW (for this lesson only): a real failure at a chosen point
+    victim = int(os.environ.get("CRASH_RANK", env.world_size - 1))
+    if (os.environ.get("CRASH_AT") == f"{where}:{step}" and env.rank == victim
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        print(f"rank {env.rank}: killed by SIGKILL at {where} {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# NEW: everything a checkpoint holds; dcp.save/dcp.load call each part's state_dict() and
+# load_state_dict(). The model and AdamW's state are DTensor shards: each rank writes its own.
+progress = Progress()
+state = {"app": AppState(model, optimizer), "progress": progress, "rng": RNGState(env.rank)}
+ckpt = CheckpointDir(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
+restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+start = ckpt.latest() if args.resume == "latest" else args.resume
+resumed_from = None
+if start:
+    # NEW: each rank reads the pieces of the saved tensors that overlap its own shards, whatever
+    # the number of ranks that saved them. RNG states are per rank: only where this rank has one.
+    load = {k: v for k, v in state.items() if k != "rng" or f"rng.rank{env.rank}.torch" in saved_keys(start)}
+    dcp.load(load, checkpoint_id=start)
+    resumed_from = progress.step
+    print0(f"attempt {restart}: resumed from {os.path.basename(start)} (step {progress.step}) "
+           f"on {env.world_size} ranks; loaded == saved: "
+           f"{state_digest(model, optimizer) == read_manifest(start).get('digest')}")
+elif args.resume:
+    print0(f"attempt {restart}: no checkpoint yet in {args.ckpt_dir}; starting from step 0")
+
+save_seconds = []
+for epoch in range(progress.step // steps_per_epoch, args.epochs):
+    sampler.set_epoch(epoch)
+    # NEW: skip the batches this epoch already trained on (cheap here: the data is in memory)
+    for (tokens,) in itertools.islice(loader, progress.step % steps_per_epoch, None):
+        tokens = tokens.to(env.device)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()  # NEW
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        progress.losses.append(loss.item() / env.world_size)
+        progress.step += 1
+        crash_if("step", progress.step)
+        if ckpt and progress.step % args.save_every == 0:
+            # NEW: every rank writes its shards in parallel; then a commit makes it "latest"
+            t0 = time.perf_counter()
+            folder = ckpt.begin(progress.step)
+            dcp.save(state, checkpoint_id=folder)
+            crash_if("save", progress.step)
+            ckpt.commit(progress.step, world_size=env.world_size,
+                        digest=state_digest(model, optimizer))
+            save_seconds.append(time.perf_counter() - t0)
+        if progress.step == args.stop_after:
+            break
+    print0(f"epoch {epoch}  step {progress.step:3d}  loss {progress.losses[-1]:.3f}")
+    if progress.step == args.stop_after:
+        break
+
+digest = state_digest(model, optimizer)  # NEW: the whole training state, to the last bit
+print0(f"state sha256 after step {progress.step}: {digest[:16]}")
+write_json(args.json, {"losses": progress.losses, "digest": digest, "resumed_from": resumed_from,
+                       "attempt": restart, "save_seconds": save_seconds,
+                       "checkpoints": [p.name for p in ckpt.committed()] if ckpt else [],
+                       "skipped": ckpt.log if ckpt else []})
+teardown()
