@@ -36,13 +36,16 @@ def _shown(arg) -> str:
 
 
 def launch(nproc: int, script: str, *args, ranks: str | None = None,
-           env: dict | None = None, expect_failure: bool = False) -> None:
+           env: dict | None = None, expect_failure: bool = False,
+           short_tracebacks: bool = False) -> None:
     """Run `code/run_w_torchrun.sh NPROC SCRIPT ARGS...` and stream its output.
 
     Raises CalledProcessError when the launch fails, so the notebook cell fails too (a plain
     `!cmd` would print the error and carry on). `ranks="0"` shows only rank 0's output.
     `expect_failure=True` is for demonstrating a failure: it shows only the error lines of each
     rank and raises if the launch *succeeds*.
+    `short_tracebacks=True` shows each rank's traceback as its last line only (the error), for
+    runs where a rank fails on purpose and the group carries on (torchrun's restarts).
     Returns nothing: the output is already on screen, and results come back as JSON files.
     """
     cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
@@ -55,11 +58,18 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
         run_env["RANKS"] = ranks
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=run_env)
-    lines = []
+    lines, in_traceback = [], False
     for line in proc.stdout:  # stream, so long runs show progress
+        lines.append(line)
+        if short_tracebacks:
+            text = re.sub(r"^\[rank\d+\]: ", "", line)
+            if text.startswith("Traceback (most recent call last)"):
+                in_traceback = True
+            if in_traceback and (text.startswith(("Traceback", " ")) or not text.strip()):
+                continue  # a frame of the traceback
+            in_traceback = False
         if not expect_failure:
             print(line, end="", flush=True)
-        lines.append(line)
     status = proc.wait()
     if expect_failure:
         if status == 0:

@@ -1,0 +1,95 @@
+"""Chapter 05's training script and checkpoint folder beyond what the notebook runs: bad input,
+and distkit.ckpt.CheckpointDir's rules (atomic commit, checks, keep-last-K) on fake folders, in
+this process. The notebook (nbval) runs train_ckpt.py for real: uninterrupted, killed mid-run,
+killed before a commit, with a corrupted checkpoint, and resharded 2 -> 1, 3, 4; it asserts
+every result (bit-identical resumes, loaded == saved)."""
+import json
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from conftest import ROOT, launcher_env, run_in_process, run_launcher
+from distkit.ckpt import MANIFEST, CheckpointDir, read_manifest
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--batch-size", "0"], {}, "need 1 <= --batch-size"),
+    (["--samples", "8"], {"WORLD_SIZE": "2"}, "--samples >= 2"),
+    (["--save-every", "0"], {}, "--save-every and --keep must be at least 1"),
+    (["--keep", "0"], {}, "--save-every and --keep must be at least 1"),
+    (["--resume"], {}, "--resume without a folder needs --ckpt-dir"),
+    (["--resume", "/no/such/checkpoint"], {}, "no checkpoint folder /no/such/checkpoint"),
+])
+def test_bad_input_one_line_error(monkeypatch, capsys, args, env, message):
+    status, _, err = run_in_process(monkeypatch, capsys, "ch05_checkpoint/train_ckpt.py",
+                                    *args, env=env)
+    assert status == 2 and message in err.strip().splitlines()[-1]
+
+
+def test_launcher_rejects_bad_max_restarts():
+    proc = run_launcher(2, "ch05_checkpoint/train_ckpt.py", env={"MAX_RESTARTS": "two"},
+                        timeout=10)
+    assert proc.returncode == 2 and "MAX_RESTARTS must be a non-negative integer" in proc.stderr
+
+
+def fake_save(ckpt: CheckpointDir, step: int) -> None:
+    """What dcp.save leaves in the .tmp folder, then the commit."""
+    tmp = ckpt.begin(step)
+    tmp.mkdir()
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+        (tmp / name).write_bytes(bytes([step]) * (100 + step))
+    ckpt.commit(step, world_size=2)
+
+
+def test_commit_is_a_rename_with_a_manifest_and_keeps_the_last_k(tmp_path):
+    ckpt = CheckpointDir(tmp_path, keep=2)
+    for step in (5, 10, 15):
+        fake_save(ckpt, step)
+    assert [p.name for p in ckpt.committed()] == ["step_000010", "step_000015"]
+    assert not list(tmp_path.glob("*.tmp"))
+    manifest = read_manifest(ckpt.path(15))
+    assert manifest["step"] == 15 and manifest["world_size"] == 2
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert manifest["files"]["__1_0.distcp"]["bytes"] == 115
+    assert ckpt.latest() == ckpt.path(15) and ckpt.log == []
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda p: (p / "__1_0.distcp").write_bytes(b"x" * 115), "does not match its sha256"),
+    (lambda p: (p / "__1_0.distcp").write_bytes(b"x" * 7), "has 7 bytes, the manifest says 115"),
+    (lambda p: (p / "__0_0.distcp").unlink(), "__0_0.distcp is missing"),
+    (lambda p: (p / "stray.bin").write_bytes(b""), "stray.bin is not in the manifest"),
+    (lambda p: (p / MANIFEST).unlink(), f"no readable {MANIFEST}"),
+])
+def test_latest_skips_a_damaged_checkpoint_and_removes_an_uncommitted_one(tmp_path, damage,
+                                                                          reason):
+    ckpt = CheckpointDir(tmp_path, keep=3)
+    for step in (5, 10, 15):
+        fake_save(ckpt, step)
+    damage(ckpt.path(15))
+    ckpt.begin(20).mkdir()  # a save that never committed
+    (tmp_path / "step_000020.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    assert ckpt.latest() == ckpt.path(10)
+    assert ckpt.log[0] == "step_000020.tmp: never committed (a save was interrupted); removed"
+    assert ckpt.log[1].startswith("step_000015: ") and reason in ckpt.log[1]
+    assert not (tmp_path / "step_000020.tmp").exists()
+
+
+def test_latest_of_an_empty_or_missing_folder_is_none(tmp_path):
+    assert CheckpointDir(tmp_path / "nothing").latest() is None
+
+
+@pytest.mark.second_nproc
+def test_notebook_at_three_processes(tmp_path):
+    """The chapter at N = 3 (a global batch of 24 = 3 x 8): the same bit-identical resumes."""
+    out = tmp_path / "out.ipynb"
+    proc = subprocess.run([sys.executable, "-m", "papermill",
+                           "notebooks/05_distributed_checkpoint.ipynb", str(out),
+                           "-p", "NPROC", "3", "--no-progress-bar"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=launcher_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = json.dumps(nbformat.read(out, as_version=4).cells)
+    assert "final loss and weights bit-identical to the uninterrupted run: True" in text
