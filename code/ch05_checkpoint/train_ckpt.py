@@ -48,7 +48,6 @@ parser.add_argument("--keep", type=int, default=2, help="NEW: how many checkpoin
 parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                     help="NEW: start from the newest good checkpoint in --ckpt-dir, "
                          "or from the checkpoint folder given")
-parser.add_argument("--stop-after", type=int, help="NEW: stop after this step (an interruption)")
 args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))  # every rank needs at least one batch
 if args.batch_size < 1 or args.samples < world * args.batch_size:
@@ -68,7 +67,9 @@ for layer in model.model.layers:
 fully_shard(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 data = counting_data(args.samples)
-sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
+# NEW: drop_last here too, so every world size reads the same global batches (no padding
+# repeats): a checkpoint can then be resumed on another number of ranks
+sampler = DistributedSampler(data, shuffle=True, seed=args.seed, drop_last=True)
 loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 steps_per_epoch, total_steps = len(loader), len(loader) * args.epochs
 # NEW: a learning-rate schedule (linear warm-up, cosine decay): its position is training state
@@ -93,7 +94,7 @@ class Progress:  # NEW: where we are in the run, as DCP's Stateful protocol want
     def load_state_dict(self, state):
         if state["global_batch"] != env.world_size * args.batch_size:
             raise SystemExit(f"train_ckpt.py: the checkpoint was made with a global batch of "
-                             f"{state['global_batch']} sequences; {env.world_size} processes x "
+                             f"{state['global_batch']} sequences; {env.world_size} process(es) x "
                              f"--batch-size {args.batch_size} is {env.world_size * args.batch_size}")
         self.step, self.losses = state["step"], state["losses"]
         scheduler.load_state_dict(state["scheduler"])
@@ -118,11 +119,11 @@ resumed_from = None
 if start:
     # NEW: each rank reads the pieces of the saved tensors that overlap its own shards, whatever
     # the number of ranks that saved them. RNG states are per rank: only where this rank has one.
-    load = {k: v for k, v in state.items() if k != "rng" or f"rng.rank{env.rank}.torch" in saved_keys(start)}
-    dcp.load(load, checkpoint_id=start)
+    has_rng = f"rng.rank{env.rank}.torch" in saved_keys(start)
+    dcp.load({k: v for k, v in state.items() if k != "rng" or has_rng}, checkpoint_id=start)
     resumed_from = progress.step
     print0(f"attempt {restart}: resumed from {os.path.basename(start)} (step {progress.step}) "
-           f"on {env.world_size} ranks; loaded == saved: "
+           f"on {env.world_size} rank(s); loaded == saved: "
            f"{state_digest(model, optimizer) == read_manifest(start).get('digest')}")
 elif args.resume:
     print0(f"attempt {restart}: no checkpoint yet in {args.ckpt_dir}; starting from step 0")
@@ -137,30 +138,28 @@ for epoch in range(progress.step // steps_per_epoch, args.epochs):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        scheduler.step()  # NEW
+        scheduler.step()  # NEW: the LR of the next step
         loss = loss.detach()
         dist.all_reduce(loss)
         progress.losses.append(loss.item() / env.world_size)
         progress.step += 1
         crash_if("step", progress.step)
         if ckpt and progress.step % args.save_every == 0:
-            # NEW: every rank writes its shards in parallel; then a commit makes it "latest"
+            # NEW: every rank writes its shards in parallel; then a commit makes it "latest".
+            # (The digest is for this lesson's "loaded == saved" check, not part of the save.)
+            digest = state_digest(model, optimizer)
             t0 = time.perf_counter()
             folder = ckpt.begin(progress.step)
             dcp.save(state, checkpoint_id=folder)
             crash_if("save", progress.step)
-            ckpt.commit(progress.step, world_size=env.world_size,
-                        digest=state_digest(model, optimizer))
+            ckpt.commit(progress.step, world_size=env.world_size, digest=digest)
             save_seconds.append(time.perf_counter() - t0)
-        if progress.step == args.stop_after:
-            break
     print0(f"epoch {epoch}  step {progress.step:3d}  loss {progress.losses[-1]:.3f}")
-    if progress.step == args.stop_after:
-        break
 
-digest = state_digest(model, optimizer)  # NEW: the whole training state, to the last bit
-print0(f"state sha256 after step {progress.step}: {digest[:16]}")
-write_json(args.json, {"losses": progress.losses, "digest": digest, "resumed_from": resumed_from,
+# NEW: the whole training state to the last bit (in the JSON only: the last bits of a float
+# differ from one CPU to another, so its printed value would differ too)
+write_json(args.json, {"losses": progress.losses, "digest": state_digest(model, optimizer),
+                       "resumed_from": resumed_from,
                        "attempt": restart, "save_seconds": save_seconds,
                        "checkpoints": [p.name for p in ckpt.committed()] if ckpt else [],
                        "skipped": ckpt.log if ckpt else []})
