@@ -72,7 +72,8 @@ def test_latest_skips_a_damaged_checkpoint_and_removes_an_uncommitted_one(tmp_pa
     ckpt.begin(20).mkdir()  # a save that never committed
     (tmp_path / "step_000020.tmp" / "__0_0.distcp").write_bytes(b"partial")
     assert ckpt.latest() == ckpt.path(10)
-    assert ckpt.log[0] == "step_000020.tmp: never committed (a save was interrupted); removed"
+    assert ckpt.log[0] == ("step_000020.tmp: never committed (no .metadata: dcp.save never "
+                           "finished); removed")
     assert ckpt.log[1].startswith("step_000015: ") and reason in ckpt.log[1]
     assert not (tmp_path / "step_000020.tmp").exists()
 

@@ -12,9 +12,9 @@ random generators as they were: the rest of the run is then bit-identical to a r
 stopped. The checkpoint can be loaded on a different number of ranks (resharding).
 
 A real failure, for the lesson: CRASH_AT=step:K kills one rank (CRASH_RANK, default the last)
-with SIGKILL just after step K; CRASH_AT=save:K kills it after it wrote its shards of step K's
-checkpoint, before the commit. Only in torchrun's first attempt, so the restarted group
-(MAX_RESTARTS=1 for the launcher) runs through.
+with SIGKILL just after step K; CRASH_AT=save:K kills it in the middle of step K's dcp.save,
+once its own shards are written, before the checkpoint is complete. Only in torchrun's first
+attempt, so the restarted group (MAX_RESTARTS=1 for the launcher) runs through.
 """
 import argparse
 import itertools
@@ -108,6 +108,13 @@ def crash_if(where, step):  # NEW (for this lesson only): a real failure at a ch
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Writer(dcp.FileSystemWriter):  # NEW: DCP's file writer, with the lesson's crash inside
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)  # this rank's shards, on disk
+        crash_if("save", progress.step)  # before rank 0 has all results to write .metadata
+        return written
+
+
 # NEW: everything a checkpoint holds; dcp.save/dcp.load call each part's state_dict() and
 # load_state_dict(). The model and AdamW's state are DTensor shards: each rank writes its own.
 progress = Progress()
@@ -150,8 +157,7 @@ for epoch in range(progress.step // steps_per_epoch, args.epochs):
             digest = state_digest(model, optimizer)
             t0 = time.perf_counter()
             folder = ckpt.begin(progress.step)
-            dcp.save(state, checkpoint_id=folder)
-            crash_if("save", progress.step)
+            dcp.save(state, storage_writer=Writer(folder))
             ckpt.commit(progress.step, world_size=env.world_size, digest=digest)
             save_seconds.append(time.perf_counter() - t0)
     print0(f"epoch {epoch}  step {progress.step:3d}  loss {progress.losses[-1]:.3f}")

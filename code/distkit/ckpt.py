@@ -174,7 +174,9 @@ class CheckpointDir:
         if _rank0():
             self.log = []
             for tmp in sorted(self.root.glob("step_*.tmp")):
-                self.log.append(f"{tmp.name}: never committed (a save was interrupted); removed")
+                how = ("dcp.save had finished" if (tmp / ".metadata").exists()
+                       else "no .metadata: dcp.save never finished")
+                self.log.append(f"{tmp.name}: never committed ({how}); removed")
                 shutil.rmtree(tmp)
             for path in reversed(self.committed()):
                 why = self.problem(path)
