@@ -15,6 +15,8 @@ Submodules, imported where needed:
 - `distkit.comm`: `CollectiveLog`, every collective of a piece of code in order, with its bytes,
   group and (with the profiler) the FSDP unit that issued it.
 - `distkit.tp`: chapter 02's tensor-parallel plans (Megatron), reused by chapter 04's FSDP + TP.
+- `distkit.ckpt`: chapter 05's checkpoints: `AppState` and `RNGState` (DCP `Stateful`s), and
+  `CheckpointDir` (atomic commits with a manifest of checksums, the newest good one, keep-last-K).
 - `distkit.memory`: chapter 03's formulas and calculator.
 - `distkit.notebook`: launch a script from a notebook (failing the cell if it fails), diffs.
 - `distkit.plots`: pictures shared by the notebooks.
