@@ -128,6 +128,21 @@ def check_starter(folder: str, name: str, stops: int) -> None:
     assert names(starter) == names(solution)
 
 
+def check_same_options(monkeypatch, capsys, template: str) -> None:
+    """An exercise's starter and solution (template: "chNN/{}/NAME.py", {} = exercises or
+    solutions) have the same --help after the description, take --json, and each opens with
+    a one-line description ending with "." that --help shows."""
+    helps = []
+    for folder in ("exercises", "solutions"):
+        path = template.format(folder)
+        first = (CODE / path).read_text().split('"""')[1].split("\n\n")[0]  # the description
+        assert "\n" not in first and first.endswith("."), first
+        code, out, _ = run_in_process(monkeypatch, capsys, path, "--help")
+        assert code == 0 and "--json" in out and first in " ".join(out.split())
+        helps.append(out[out.index("options:"):])  # after the usage and the description
+    assert helps[0] == helps[1]
+
+
 def write_notebook(path, *sources) -> Path:
     """A notebook with one code cell per source, for testing the harness itself."""
     nb = nbformat.v4.new_notebook()

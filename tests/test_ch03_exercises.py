@@ -8,7 +8,7 @@ the scripts before setup(), so they need no process group).
 
 import pytest
 
-from conftest import CODE, check_starter, run_in_process, run_json, run_launcher
+from conftest import check_same_options, check_starter, run_in_process, run_json, run_launcher
 from distkit.memory import FP32_ADAMW, model_state_bytes
 
 EX = "ch03_zero/{}/ex03_zero1_by_hand.py"
@@ -92,15 +92,7 @@ def test_starter_marks_every_todo():
 # --- arguments: --help, bad input (in this process: argparse exits before setup) ---------------
 
 def test_starter_takes_the_solutions_arguments(monkeypatch, capsys):
-    helps = []
-    for folder in ("exercises", "solutions"):
-        script = EX.format(folder)
-        first = (CODE / script).read_text().split('"""')[1].split("\n\n")[0]  # the description
-        assert "\n" not in first and first.endswith("."), first
-        code, out, _ = run_in_process(monkeypatch, capsys, script, "--help")
-        assert code == 0 and "--json" in out and first in " ".join(out.split())
-        helps.append(out[out.index("options:"):])  # after the usage and the description
-    assert helps[0] == helps[1]
+    check_same_options(monkeypatch, capsys, EX)
 
 
 @pytest.mark.parametrize("folder", ["solutions", "exercises"])

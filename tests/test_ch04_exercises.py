@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import CODE, check_starter, run_in_process, run_json, run_scripts_at_once
+from conftest import check_same_options, check_starter, run_in_process, run_json, run_scripts_at_once
 
 META = "ch04_fsdp2/{}/ex04_meta_init.py"
 ACCUM = "ch04_fsdp2/{}/ex04_grad_accum.py"
@@ -122,15 +122,7 @@ def test_starter_marks_every_todo(name, stops):
 
 @pytest.mark.parametrize("script", [META, ACCUM])
 def test_starter_takes_the_solutions_arguments(monkeypatch, capsys, script):
-    helps = []
-    for folder in ("exercises", "solutions"):
-        path = script.format(folder)
-        first = (CODE / path).read_text().split('"""')[1].split("\n\n")[0]  # the description
-        assert "\n" not in first and first.endswith("."), first
-        code, out, _ = run_in_process(monkeypatch, capsys, path, "--help")
-        assert code == 0 and "--json" in out and first in " ".join(out.split())
-        helps.append(out[out.index("options:"):])  # after the usage and the description
-    assert helps[0] == helps[1]
+    check_same_options(monkeypatch, capsys, script)
 
 
 @pytest.mark.parametrize("folder", ["solutions", "exercises"])

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import CODE, check_starter, run_in_process, run_json, run_scripts_at_once
+from conftest import check_same_options, check_starter, run_in_process, run_json, run_scripts_at_once
 
 RESUME = "ch05_checkpoint/{}/ex05_resume.py"
 NPROC = 2
@@ -110,15 +110,7 @@ def test_starter_marks_every_todo():
 # --- arguments: --help, bad input (in this process: argparse exits before setup) ---------------
 
 def test_starter_takes_the_solutions_arguments(monkeypatch, capsys):
-    helps = []
-    for folder in ("exercises", "solutions"):
-        path = RESUME.format(folder)
-        first = (CODE / path).read_text().split('"""')[1].split("\n\n")[0]  # the description
-        assert "\n" not in first and first.endswith("."), first
-        code, out, _ = run_in_process(monkeypatch, capsys, path, "--help")
-        assert code == 0 and "--json" in out and first in " ".join(out.split())
-        helps.append(out[out.index("options:"):])  # after the usage and the description
-    assert helps[0] == helps[1]
+    check_same_options(monkeypatch, capsys, RESUME)
 
 
 @pytest.mark.parametrize("folder", ["solutions", "exercises"])
