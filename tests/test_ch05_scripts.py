@@ -17,8 +17,8 @@ from distkit.ckpt import MANIFEST, CheckpointDir, read_manifest
 @pytest.mark.parametrize("args, env, message", [
     (["--batch-size", "0"], {}, "need 1 <= --batch-size"),
     (["--samples", "8"], {"WORLD_SIZE": "2"}, "--samples >= 2"),
-    (["--save-every", "0"], {}, "--save-every and --keep must be at least 1"),
-    (["--keep", "0"], {}, "--save-every and --keep must be at least 1"),
+    (["--save-every", "0"], {}, "--save-every must be at least 1"),
+    (["--keep", "1"], {}, "--keep must be at least 2"),
     (["--resume"], {}, "--resume without a folder needs --ckpt-dir"),
     (["--resume", "/no/such/checkpoint"], {}, "no checkpoint folder /no/such/checkpoint"),
 ])
@@ -78,13 +78,36 @@ def test_latest_skips_a_damaged_checkpoint_and_removes_an_uncommitted_one(tmp_pa
     assert not (tmp_path / "step_000020.tmp").exists()
 
 
+def test_a_commit_removes_newer_checkpoints_of_an_abandoned_future(tmp_path):
+    """A run resumed from step 5 (or started afresh) in a folder that holds steps 15 and 20:
+    keep-last-K must not keep those and delete the step it has just committed."""
+    ckpt = CheckpointDir(tmp_path, keep=2)
+    for step in (15, 20):
+        fake_save(ckpt, step)
+    fake_save(ckpt, 5)
+    assert [p.name for p in ckpt.committed()] == ["step_000005"]
+    assert ckpt.log == ["step_000015: newer than this run's step 5; removed",
+                        "step_000020: newer than this run's step 5; removed"]
+    assert not list(tmp_path.glob("*.old")) and ckpt.latest() == ckpt.path(5)
+
+
+def test_a_whole_tmp_folder_is_committed_not_removed(tmp_path):
+    """A crash between the manifest and the rename leaves a checked .tmp: it is committed."""
+    ckpt = CheckpointDir(tmp_path, keep=2)
+    fake_save(ckpt, 5)
+    fake_save(ckpt, 10)
+    ckpt.path(10).rename(ckpt.path(10).with_suffix(".tmp"))
+    assert ckpt.latest() == ckpt.path(10)
+    assert ckpt.log == ["step_000010.tmp: written whole but not renamed; committed now"]
+
+
 def test_latest_of_an_empty_or_missing_folder_is_none(tmp_path):
     assert CheckpointDir(tmp_path / "nothing").latest() is None
 
 
 @pytest.mark.second_nproc
 def test_notebook_at_three_processes(tmp_path):
-    """The chapter at N = 3 (a global batch of 24 = 3 x 8): the same bit-identical resumes."""
+    """The chapter at N = 3 (a global batch of 36 = 3 x 12): the same bit-identical resumes."""
     out = tmp_path / "out.ipynb"
     proc = subprocess.run([sys.executable, "-m", "papermill",
                            "notebooks/05_distributed_checkpoint.ipynb", str(out),

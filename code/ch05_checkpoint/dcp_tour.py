@@ -218,13 +218,14 @@ class Progress(Stateful):
 torch.manual_seed(100 + env.rank)  # each rank's generators differ (dropout, shuffling...)
 random.seed(100 + env.rank)
 saved, saved_schedule = shards(model, optimizer), scheduler.state_dict()
-dcp.save({"app": AppState(model, optimizer), "rng": RNGState(env.rank),
+dcp.save({"app": AppState(model, optimizer), "rng": RNGState(env.rank, env.device),
           "progress": Progress(scheduler, step=3)}, checkpoint_id=empty(out / "roundtrip"))
 drawn_after_save = (torch.rand(1).item(), random.random())
 fresh, fresh_opt, fresh_sched = build(1)
 progress = Progress(fresh_sched)
 trip = {"before_load": equal(shards(fresh, fresh_opt), saved)}
-dcp.load({"app": AppState(fresh, fresh_opt), "rng": RNGState(env.rank), "progress": progress},
+dcp.load({"app": AppState(fresh, fresh_opt), "rng": RNGState(env.rank, env.device),
+          "progress": progress},
          checkpoint_id=out / "roundtrip")
 drawn_after_load = (torch.rand(1).item(), random.random())
 trip |= {p: equal(shards(fresh, fresh_opt, p), {k: v for k, v in saved.items() if k.startswith(p)})

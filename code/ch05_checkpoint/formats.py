@@ -63,6 +63,10 @@ if args.global_batch < 1 or args.samples < args.global_batch:
 # dcp.load without a process group warns that it assumes one process: that is the point here
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 results, seconds = {"checkpoint": ckpt.name}, {}
+# the settings train_ckpt.py's Progress saves (and checks on a resume): they decide the data
+# order and the LR schedule
+RUN = {"global batch": args.global_batch, "--samples": args.samples, "--epochs": args.epochs,
+       "--seed": args.seed, "--lr": args.lr}
 data = counting_data(args.samples)
 
 
@@ -88,7 +92,7 @@ def load(folder, model, optimizer, scheduler):
     (filled in place, like the tensors). The per-rank RNG states are left out: this model draws
     no random numbers (no dropout), and which rank's would one process take?"""
     state = {"app": AppState(model, optimizer),
-             "progress": {"step": 0, "global_batch": 0, "losses": [],
+             "progress": {"step": 0, "run": dict(RUN), "losses": [],
                           "scheduler": scheduler.state_dict()}}
     dcp.load(state, checkpoint_id=folder)
     scheduler.load_state_dict(state["progress"]["scheduler"])
@@ -100,9 +104,8 @@ t0 = time.perf_counter()
 manifest = read_manifest(ckpt)
 model, optimizer, scheduler = build()
 progress = load(ckpt, model, optimizer, scheduler)
-if progress["global_batch"] != args.global_batch:
-    parser.error(f"the checkpoint was made with a global batch of {progress['global_batch']} "
-                 f"sequences, not --global-batch {args.global_batch}")
+if changed := [f"{k} {v} (here {RUN[k]})" for k, v in progress["run"].items() if RUN[k] != v]:
+    parser.error("the checkpoint's run had " + ", ".join(changed) + "; use its settings")
 step = progress["step"]
 loaded_equal = state_digest(model, optimizer) == manifest["digest"]
 loaded = {k: v.clone() for k, v in model.state_dict().items()}  # for part 2
@@ -118,7 +121,8 @@ seconds["load"] = time.perf_counter() - t0
 # whole batch. One "replica" here, the global batch in one step; skip the steps already done.
 t0 = time.perf_counter()
 sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=args.seed)
-loader = DataLoader(data, batch_size=args.global_batch, sampler=sampler, drop_last=True)
+loader = DataLoader(data, batch_size=args.global_batch, sampler=sampler, drop_last=True,
+                    generator=torch.Generator())  # as train_ckpt.py's
 losses = list(progress["losses"])
 model.train()
 for epoch in range(step // len(loader), args.epochs):

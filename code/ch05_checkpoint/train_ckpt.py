@@ -20,6 +20,7 @@ import argparse
 import itertools
 import math
 import os
+import random
 import signal
 import time
 
@@ -31,8 +32,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from distkit import print0, seed_everything, setup, teardown, write_json
-from distkit.ckpt import (AppState, CheckpointDir, RNGState, read_manifest,  # NEW
-                          saved_keys, state_digest)
+from distkit.ckpt import AppState, CheckpointDir, RNGState, read_manifest, state_digest  # NEW
 from distkit.toy import counting_data, tiny_llama
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -52,14 +52,19 @@ args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))  # every rank needs at least one batch
 if args.batch_size < 1 or args.samples < world * args.batch_size:
     parser.error(f"need 1 <= --batch-size and --samples >= {world} processes x --batch-size")
-if args.save_every < 1 or args.keep < 1:
-    parser.error("--save-every and --keep must be at least 1")
+if args.save_every < 1:
+    parser.error("--save-every must be at least 1")
+if args.keep < 2:  # with 1, a damaged newest checkpoint leaves nothing to fall back on
+    parser.error("--keep must be at least 2")
 if args.resume == "latest" and not args.ckpt_dir:
     parser.error("--resume without a folder needs --ckpt-dir")
 if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
     parser.error(f"--resume: no checkpoint folder {args.resume}")
 
 env = setup()
+if env.device.type == "cuda":  # NEW: a bit-exact resume on GPU needs deterministic kernels
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
 seed_everything(args.seed)
 model = tiny_llama().to(env.device)
 for layer in model.model.layers:
@@ -70,7 +75,10 @@ data = counting_data(args.samples)
 # NEW: drop_last here too, so every world size reads the same global batches (no padding
 # repeats): a checkpoint can then be resumed on another number of ranks
 sampler = DistributedSampler(data, shuffle=True, seed=args.seed, drop_last=True)
-loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+# NEW: a generator of its own: each iter(loader) draws a seed from the one it uses, and a resume
+# that starts an epoch's iterator again would otherwise shift the global random stream
+loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True,
+                    generator=torch.Generator())
 steps_per_epoch, total_steps = len(loader), len(loader) * args.epochs
 # NEW: a learning-rate schedule (linear warm-up, cosine decay): its position is training state
 # too, and a resume that forgot it would restart the warm-up
@@ -80,22 +88,25 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
 
 
 class Progress:  # NEW: where we are in the run, as DCP's Stateful protocol wants it
-    """Steps done (they give the epoch and the batch within it), the global batch they were
-    made with (a resume with another one would read different data), the LR schedule and the
-    losses so far."""
+    """Steps done (they give the epoch and the batch within it), the LR schedule, the losses so
+    far, and the settings that decide the data and the schedule: a resume with others would
+    silently train another run, so it is refused."""
 
     def __init__(self):
         self.step, self.losses = 0, []
+        self.run = {"global batch": env.world_size * args.batch_size, "--samples": args.samples,
+                    "--epochs": args.epochs, "--seed": args.seed, "--lr": args.lr}
 
     def state_dict(self):
-        return {"step": self.step, "global_batch": env.world_size * args.batch_size,
-                "scheduler": scheduler.state_dict(), "losses": self.losses}
+        # copies: dcp.load fills the dict returned here in place, and would overwrite self.run
+        return {"step": self.step, "run": dict(self.run), "scheduler": scheduler.state_dict(),
+                "losses": list(self.losses)}
 
     def load_state_dict(self, state):
-        if state["global_batch"] != env.world_size * args.batch_size:
-            raise SystemExit(f"train_ckpt.py: the checkpoint was made with a global batch of "
-                             f"{state['global_batch']} sequences; {env.world_size} process(es) x "
-                             f"--batch-size {args.batch_size} is {env.world_size * args.batch_size}")
+        if changed := [f"{k} {v} (now {self.run[k]})" for k, v in state["run"].items()
+                       if self.run[k] != v]:
+            raise SystemExit("train_ckpt.py: the checkpoint's run had " + ", ".join(changed)
+                             + "; resume with its settings")
         self.step, self.losses = state["step"], state["losses"]
         scheduler.load_state_dict(state["scheduler"])
 
@@ -118,7 +129,8 @@ class Writer(dcp.FileSystemWriter):  # NEW: DCP's file writer, with the lesson's
 # NEW: everything a checkpoint holds; dcp.save/dcp.load call each part's state_dict() and
 # load_state_dict(). The model and AdamW's state are DTensor shards: each rank writes its own.
 progress = Progress()
-state = {"app": AppState(model, optimizer), "progress": progress, "rng": RNGState(env.rank)}
+state = {"app": AppState(model, optimizer), "progress": progress,
+         "rng": RNGState(env.rank, env.device)}
 ckpt = CheckpointDir(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 start = ckpt.latest() if args.resume == "latest" else args.resume
@@ -126,7 +138,7 @@ resumed_from = None
 if start:
     # NEW: each rank reads the pieces of the saved tensors that overlap its own shards, whatever
     # the number of ranks that saved them. RNG states are per rank: only where this rank has one.
-    has_rng = f"rng.rank{env.rank}.torch" in saved_keys(start)
+    has_rng = state["rng"].saved_in(start)
     dcp.load({k: v for k, v in state.items() if k != "rng" or has_rng}, checkpoint_id=start)
     resumed_from = progress.step
     print0(f"attempt {restart}: resumed from {os.path.basename(start)} (step {progress.step}) "
@@ -153,7 +165,8 @@ for epoch in range(progress.step // steps_per_epoch, args.epochs):
         crash_if("step", progress.step)
         if ckpt and progress.step % args.save_every == 0:
             # NEW: every rank writes its shards in parallel; then a commit makes it "latest".
-            # (The digest is for this lesson's "loaded == saved" check, not part of the save.)
+            # (The digest is this lesson's "loaded == saved" check, not part of a save: it
+            # gathers the whole state to rank 0, which a real job at scale would not do.)
             digest = state_digest(model, optimizer)
             t0 = time.perf_counter()
             folder = ckpt.begin(progress.step)
@@ -165,6 +178,7 @@ for epoch in range(progress.step // steps_per_epoch, args.epochs):
 # NEW: the whole training state to the last bit (in the JSON only: the last bits of a float
 # differ from one CPU to another, so its printed value would differ too)
 write_json(args.json, {"losses": progress.losses, "digest": state_digest(model, optimizer),
+                       "rng": [torch.rand(1).item(), random.random()],  # the streams go on?
                        "resumed_from": resumed_from,
                        "attempt": restart, "save_seconds": save_seconds,
                        "checkpoints": [p.name for p in ckpt.committed()] if ckpt else [],

@@ -53,18 +53,19 @@ class AppState(Stateful):
 
 
 class RNGState(Stateful):
-    """This rank's random generators: Python's, torch's CPU (and CUDA) generator.
+    """This rank's random generators: Python's, torch's CPU generator, and the CUDA generator
+    of `device` when it is a GPU. (NumPy's is not saved: nothing here draws from it.)
 
     Every rank has its own generator states, so the key names the rank ("rank1"): a tensor
-    that is not a DTensor counts as replicated, and DCP would keep only rank 0's copy.
+    that is not a DTensor counts as replicated, and DCP would keep one rank's copy only.
     """
 
-    def __init__(self, rank: int):
-        self.key = f"rank{rank}"
+    def __init__(self, rank: int, device: torch.device = torch.device("cpu")):
+        self.key, self.cuda = f"rank{rank}", device.type == "cuda"
 
     def state_dict(self):
         state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
+        if self.cuda:
             state["cuda"] = torch.cuda.get_rng_state()
         return {self.key: state}
 
@@ -72,8 +73,14 @@ class RNGState(Stateful):
         state = state_dict[self.key]
         random.setstate(state["python"])
         torch.set_rng_state(state["torch"])
-        if "cuda" in state:
+        if self.cuda:
             torch.cuda.set_rng_state(state["cuda"])
+
+    def saved_in(self, path: str | os.PathLike, prefix: str = "rng") -> bool:
+        """Whether the checkpoint holds this rank's states (not when saved by fewer ranks, or
+        on a CPU when this rank is on a GPU)."""
+        keys = saved_keys(path)
+        return all(f"{prefix}.{self.key}.{k}" in keys for k in self.state_dict()[self.key])
 
 
 def saved_keys(path: str | os.PathLike) -> set[str]:
@@ -91,6 +98,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _from_rank0(obj):
+    """obj as rank 0 has it, on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -99,23 +115,38 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _file_facts(folder: Path, names: list[str]) -> dict:
+    """{name: {"bytes", "sha256"}} for the files of a folder; every rank hashes its share in
+    parallel (rank 0 alone would read back every rank's shards, and the others would wait)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = {n: {"bytes": (folder / n).stat().st_size, "sha256": _sha256(folder / n)}
+            for n in sorted(names)[rank::world]}
+    if not dist.is_initialized():
+        return mine
+    shares = [None] * world
+    dist.all_gather_object(shares, mine)
+    return {n: f for share in shares for n, f in sorted(share.items())}
+
+
 class CheckpointDir:
     """Committed checkpoints ROOT/step_NNNNNN/, written atomically; the newest `keep` stay.
 
-    Every method is collective (all ranks call it); rank 0 does the file work and tells the
-    others. The folder must be one that every rank sees (a shared file system across nodes),
-    as DCP's FileSystemWriter requires anyway.
+    Every method is collective (all ranks call it, or one process without a process group);
+    rank 0 renames and deletes and tells the others. The folder must be one that every rank
+    sees (a shared file system across nodes), as DCP's FileSystemWriter requires anyway.
     """
 
     def __init__(self, root: str | os.PathLike, keep: int = 2):
         self.root, self.keep = Path(root), keep
-        self.log: list[str] = []  # what latest() found, for the notebook
+        self.log: list[str] = []  # what commit() and latest() did besides the obvious
 
     def path(self, step: int) -> Path:
         return self.root / f"step_{step:06d}"
 
     def begin(self, step: int) -> Path:
-        """The folder to write step's checkpoint into: step_NNNNNN.tmp/, empty."""
+        """The folder to write step's checkpoint into: step_NNNNNN.tmp/, empty. (Never an
+        existing folder: DCP writing into one would leave the old .metadata valid until the
+        new one replaces it, so a crash mid-save would pair old metadata with new shards.)"""
         tmp = self.path(step).with_suffix(".tmp")
         if _rank0():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -124,20 +155,24 @@ class CheckpointDir:
         return tmp
 
     def commit(self, step: int, **facts) -> Path:
-        """Seal step_NNNNNN.tmp/ (every rank has finished writing: dcp.save returned on all):
-        manifest, then an atomic rename; then delete all but the newest `keep`."""
+        """Seal step_NNNNNN.tmp/ once dcp.save has returned (on every rank: all shards and
+        .metadata are on disk): a manifest, then an atomic rename; then keep the newest K."""
         tmp, final = self.path(step).with_suffix(".tmp"), self.path(step)
+        files = _file_facts(tmp, [p.name for p in tmp.iterdir()])
         if _rank0():
-            files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                     for p in sorted(tmp.iterdir())}
             manifest = tmp / MANIFEST
             manifest.write_text(json.dumps({"step": step, **facts, "files": files}, indent=1))
             for p in [*tmp.iterdir(), tmp]:  # on disk before the rename makes them "latest"
                 _fsync(p)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)  # atomic: readers see the old state or the new, never half
+            # Checkpoints at this step or later belong to a future this run abandoned (it
+            # resumed from an earlier one): out of the way first, else keep-last-K would keep
+            # them and delete this one. Renamed aside, so "latest" is never missing.
+            for newer in [p for p in self.committed() if p.name >= final.name]:
+                self.log.append(f"{newer.name}: newer than this run's step {step}; removed")
+                os.replace(newer, newer.with_suffix(".old"))
+            os.replace(tmp, final)  # atomic: readers see no step_NNNNNN/, or all of it
             _fsync(self.root)
-            for old in self.committed()[:-self.keep]:
+            for old in [*self.root.glob("step_*.old"), *self.committed()[:-self.keep]]:
                 shutil.rmtree(old)
         _barrier()
         return final
@@ -150,7 +185,8 @@ class CheckpointDir:
 
     @staticmethod
     def problem(path: Path) -> str | None:
-        """Why the checkpoint in `path` cannot be trusted, or None when every file is whole."""
+        """Why the checkpoint in `path` cannot be trusted, or None when every file is whole.
+        (Collective under a process group: each rank checks its share of the files.)"""
         try:
             manifest = json.loads((path / MANIFEST).read_text())
         except (OSError, ValueError):
@@ -158,38 +194,44 @@ class CheckpointDir:
         found = {p.name for p in path.iterdir()} - {MANIFEST}
         for name in sorted(found ^ set(manifest["files"])):
             return f"{name} is {'missing' if name in manifest['files'] else 'not in the manifest'}"
-        for name, want in manifest["files"].items():
-            size = (path / name).stat().st_size
-            if size != want["bytes"]:
-                return f"{name} has {size} bytes, the manifest says {want['bytes']}"
-            if _sha256(path / name) != want["sha256"]:
+        for name, got in _file_facts(path, sorted(found)).items():
+            want = manifest["files"][name]
+            if got["bytes"] != want["bytes"]:
+                return f"{name} has {got['bytes']} bytes, the manifest says {want['bytes']}"
+            if got["sha256"] != want["sha256"]:
                 return f"{name} does not match its sha256 in the manifest"
         return None
 
     def latest(self) -> Path | None:
         """The newest checkpoint whose files all match their manifest (None: start fresh).
-        Leftover .tmp folders (a save that never committed) are removed; each skipped
-        checkpoint is reported with the reason."""
-        choice = [None]
+        Each skipped checkpoint is reported with its reason. A .tmp folder that a crash left:
+        committed now if its manifest was written and checks out (the crash hit between the
+        manifest and the rename), else removed."""
+        self.log = []
+        for name in _from_rank0(sorted(p.name for p in self.root.glob("step_*.tmp"))):
+            tmp = self.root / name
+            whole = (tmp / MANIFEST).exists() and self.problem(tmp) is None
+            if _rank0():
+                if whole:
+                    os.replace(tmp, tmp.with_suffix(""))
+                    self.log.append(f"{name}: written whole but not renamed; committed now")
+                else:
+                    how = ("dcp.save had finished" if (tmp / ".metadata").exists()
+                           else "no .metadata: dcp.save never finished")
+                    self.log.append(f"{name}: never committed ({how}); removed")
+                    shutil.rmtree(tmp)
+            _barrier()
+        choice = None
+        for name in reversed(_from_rank0([p.name for p in self.committed()])):
+            why = self.problem(self.root / name)
+            if why is None:
+                choice = self.root / name
+                break
+            self.log.append(f"{name}: {why}; skipped")
         if _rank0():
-            self.log = []
-            for tmp in sorted(self.root.glob("step_*.tmp")):
-                how = ("dcp.save had finished" if (tmp / ".metadata").exists()
-                       else "no .metadata: dcp.save never finished")
-                self.log.append(f"{tmp.name}: never committed ({how}); removed")
-                shutil.rmtree(tmp)
-            for path in reversed(self.committed()):
-                why = self.problem(path)
-                if why is None:
-                    choice = [str(path)]
-                    break
-                self.log.append(f"{path.name}: {why}; skipped")
             for line in self.log:
                 print(f"checkpoint {line}", flush=True)
-        if dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0)
-        return Path(choice[0]) if choice[0] else None
-
+        return choice
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -232,8 +274,7 @@ def state_digest(model, optimizer) -> str:
 
 
 def _flatten(obj, prefix: str = "") -> dict:
-    if isinstance(obj, dict):
-        return {k: v for key, val in obj.items() for k, v in _flatten(val, f"{prefix}{key}.").items()}
-    if isinstance(obj, (list, tuple)):
-        return {k: v for i, val in enumerate(obj) for k, v in _flatten(val, f"{prefix}{i}.").items()}
+    if isinstance(obj, (dict, list, tuple)):
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        return {k: v for key, val in items for k, v in _flatten(val, f"{prefix}{key}.").items()}
     return {prefix.rstrip("."): obj}

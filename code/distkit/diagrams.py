@@ -1366,7 +1366,7 @@ def checkpoint_resume():
     steps, sw, gx = 20, 0.43, 1.55          # steps, step width, grid's left edge
     lane_h, lane_gap = 0.3, 0.06
     ax.text(0.15, height - 0.75, "1   torchrun --max-restarts 1, 2 ranks, a checkpoint every "
-            "5 steps: rank 1 is killed in step 13", fontsize=FONT, fontweight="bold",
+            "5 steps: rank 1 is killed after step 13", fontsize=FONT, fontweight="bold",
             color=INK, va="center")
     x_at = lambda s: gx + s * sw            # noqa: E731  (the boundary after step s)
     num_y = height - 1.08
@@ -1389,24 +1389,24 @@ def checkpoint_resume():
                                        linewidth=0.8, zorder=2))
         return ys
 
-    # attempt 0: steps 1..12 done, 13 interrupted; checkpoints after 5 and 10
-    a0 = lanes(num_y - 0.32, 1, 12, "attempt 0")
-    for rank, y in enumerate(a0):               # step 13: killed (rank 1), stopped (rank 0)
-        ax.add_patch(Rectangle((x_at(12) + 0.02, y), sw / 2, lane_h, facecolor=_tint(
+    # attempt 0: steps 1..13 done, 14 never finishes; checkpoints after 5 and 10
+    a0 = lanes(num_y - 0.32, 1, 13, "attempt 0")
+    for rank, y in enumerate(a0):               # step 14: rank 1 killed, rank 0 cut off
+        ax.add_patch(Rectangle((x_at(13) + 0.02, y), sw / 2, lane_h, facecolor=_tint(
             RANK_COLORS[rank], 0.3), edgecolor=RANK_COLORS[rank], linewidth=0.8,
             ls="--", zorder=2))
-    ax.text(x_at(12) + 0.02 + sw / 2, a0[1] + lane_h / 2, "✗", ha="center", va="center",
+    ax.text(x_at(13) + 0.02, a0[1] + lane_h / 2, "✗", ha="center", va="center",
             fontsize=FONT + 6, fontweight="bold", color=WRONG, zorder=5)
     for s in (5, 10):
         _ckpt_mark(ax, x_at(s), a0[1], a0[0] + lane_h, f"step_{s:06d}")
-    ax.text(x_at(13) + 0.2, a0[1] + lane_h / 2, "rank 1: SIGKILL in step 13",
+    ax.text(x_at(14) + 0.1, a0[1] + lane_h / 2, "rank 1: SIGKILL after step 13",
             va="center", fontsize=SMALL + 0.5, color=WRONG, fontweight="bold")
-    ax.text(x_at(13) + 0.2, a0[0] + lane_h / 2, "rank 0: stopped by torchrun (SIGTERM)",
+    ax.text(x_at(14) + 0.1, a0[0] + lane_h / 2, "rank 0: peer gone (error, or SIGTERM)",
             va="center", fontsize=SMALL + 0.5, color="0.3")
 
     # between the attempts: torchrun restarts the whole group
     mid = a0[1] - 0.3
-    ax.text(x_at(13) + 0.2, mid, "torchrun: stops rank 0, restarts both",
+    ax.text(x_at(14) + 0.1, mid, "torchrun: stops rank 0, restarts both",
             va="center", fontsize=SMALL + 0.5, color=INK)
     # attempt 1: load step_000010, redo 11..13, go on to 20
     a1 = lanes(mid - 0.38, 11, steps, "attempt 1")
@@ -1484,9 +1484,9 @@ def checkpoint_resume():
     _arrow(ax, (cx, ftop - fh), (cx, cy + 0.19), color=INK, lw=1.4, mutation=11)
     ax.text(cx + 0.1, ftop - fh - 0.22, "④ rank 0: rename = the commit",
             fontsize=SMALL + 0.5, color=INK, va="center", fontweight="bold")
-    ax.text(0.2, cy - 0.5, "A crash before ④ leaves only step_000015.tmp/:\nthe next start "
-            "ignores it and removes it", fontsize=SMALL + 0.5, color=WRONG, va="center",
-            linespacing=1.3)
+    ax.text(0.2, cy - 0.5, "A crash before ④ leaves only step_000015.tmp/: the next\nstart "
+            "removes it (or commits it, if its manifest checks out)", fontsize=SMALL + 0.5,
+            color=WRONG, va="center", linespacing=1.3)
 
     # --- 3: choosing the folder to resume from --------------------------------------------
     lx, lw_ = 5.75, 1.85
