@@ -1,8 +1,9 @@
-"""Chapter 05's training script and checkpoint folder beyond what the notebook runs: bad input,
-and distkit.ckpt.CheckpointDir's rules (atomic commit, checks, keep-last-K) on fake folders, in
-this process. The notebook (nbval) runs train_ckpt.py for real: uninterrupted, killed mid-run,
-killed before a commit, with a corrupted checkpoint, and resharded 2 -> 1, 3, 4; it asserts
-every result (bit-identical resumes, loaded == saved)."""
+"""Chapter 05's scripts and checkpoint folder beyond what the notebook runs: bad input (of
+train_ckpt.py and formats.py), and distkit.ckpt.CheckpointDir's rules (atomic commit, checks,
+keep-last-K) on fake folders, in this process. The notebook (nbval) runs the scripts for real:
+train_ckpt.py uninterrupted, killed mid-run, killed inside dcp.save, with a corrupted
+checkpoint, and resharded 2 -> 1, 3, 4; formats.py on a good checkpoint. It asserts every
+result (bit-identical resumes, loaded == saved, equal round trips and logits)."""
 import json
 import subprocess
 import sys
@@ -103,6 +104,32 @@ def test_a_whole_tmp_folder_is_committed_not_removed(tmp_path):
 
 def test_latest_of_an_empty_or_missing_folder_is_none(tmp_path):
     assert CheckpointDir(tmp_path / "nothing").latest() is None
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing", "--checkpoint: no folder"),
+    ("metadata", "not a DCP checkpoint (no .metadata file)"),
+    ("manifest", "not a committed checkpoint (no readable manifest.json)"),
+    ("shard", "not a committed checkpoint (__0_0.distcp does not match its sha256"),
+])
+def test_formats_refuses_a_checkpoint_it_cannot_trust(monkeypatch, capsys, tmp_path, damage,
+                                                      message):
+    """formats.py checks its --checkpoint before loading anything (the notebook runs it on a
+    good one and asserts every result)."""
+    ckpt = CheckpointDir(tmp_path, keep=2)
+    fake_save(ckpt, 10)
+    bad = ckpt.path(10)
+    if damage == "missing":
+        bad = tmp_path / "nope"
+    elif damage == "shard":  # same size, one byte flipped: only the checksum sees it
+        data = bytearray((bad / "__0_0.distcp").read_bytes())
+        data[-1] ^= 1
+        (bad / "__0_0.distcp").write_bytes(bytes(data))
+    else:
+        (bad / {"metadata": ".metadata", "manifest": MANIFEST}[damage]).unlink()
+    status, _, err = run_in_process(monkeypatch, capsys, "ch05_checkpoint/formats.py",
+                                    "--checkpoint", bad)
+    assert status == 2 and message in err.strip().splitlines()[-1]
 
 
 @pytest.mark.second_nproc

@@ -35,7 +35,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from distkit import write_json
 from distkit.ckpt import AppState, CheckpointDir, read_manifest, saved_keys, state_digest
-from distkit.toy import counting_data, tiny_llama
+from distkit.toy import counting_data, tiny_llama, warmup_cosine
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--checkpoint", required=True, help="a committed step_NNNNNN/ folder")
@@ -77,10 +77,7 @@ def build():
     torch.manual_seed(args.seed)  # the values do not matter: dcp.load overwrites them
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    total_steps = args.samples // args.global_batch * args.epochs
-    warmup = max(1, total_steps // 10)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
-        (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))))
+    scheduler = warmup_cosine(optimizer, args.samples // args.global_batch * args.epochs)
     return model, optimizer, scheduler
 
 

@@ -18,7 +18,6 @@ attempt, so the restarted group (MAX_RESTARTS=1 for the launcher) runs through.
 """
 import argparse
 import itertools
-import math
 import os
 import random
 import signal
@@ -33,7 +32,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from distkit import print0, seed_everything, setup, teardown, write_json
 from distkit.ckpt import AppState, CheckpointDir, RNGState, read_manifest, state_digest  # NEW
-from distkit.toy import counting_data, tiny_llama
+from distkit.toy import counting_data, tiny_llama, warmup_cosine
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--batch-size", type=int, default=8, help="sequences per step, per process")
@@ -62,6 +61,7 @@ if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
     parser.error(f"--resume: no checkpoint folder {args.resume}")
 
 env = setup()
+restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # NEW: torchrun's attempt number
 if env.device.type == "cuda":  # NEW: a bit-exact resume on GPU needs deterministic kernels
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -80,11 +80,9 @@ sampler = DistributedSampler(data, shuffle=True, seed=args.seed, drop_last=True)
 loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True,
                     generator=torch.Generator())
 steps_per_epoch, total_steps = len(loader), len(loader) * args.epochs
-# NEW: a learning-rate schedule (linear warm-up, cosine decay): its position is training state
-# too, and a resume that forgot it would restart the warm-up
-warmup = max(1, total_steps // 10)
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
-    (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))))
+# NEW: a learning-rate schedule (a LambdaLR: linear warm-up, cosine decay): its position is
+# training state too, and a resume that forgot it would restart the warm-up
+scheduler = warmup_cosine(optimizer, total_steps)
 
 
 class Progress:  # NEW: where we are in the run, as DCP's Stateful protocol wants it
@@ -113,8 +111,7 @@ class Progress:  # NEW: where we are in the run, as DCP's Stateful protocol want
 
 def crash_if(where, step):  # NEW (for this lesson only): a real failure at a chosen point
     victim = int(os.environ.get("CRASH_RANK", env.world_size - 1))
-    if (os.environ.get("CRASH_AT") == f"{where}:{step}" and env.rank == victim
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+    if os.environ.get("CRASH_AT") == f"{where}:{step}" and env.rank == victim and restart == 0:
         print(f"rank {env.rank}: killed by SIGKILL at {where} {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -132,7 +129,6 @@ progress = Progress()
 state = {"app": AppState(model, optimizer), "progress": progress,
          "rng": RNGState(env.rank, env.device)}
 ckpt = CheckpointDir(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
-restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 start = ckpt.latest() if args.resume == "latest" else args.resume
 resumed_from = None
 if start:

@@ -10,7 +10,8 @@
 - `same_on_all_ranks()`: whether every rank holds exactly the same tensor values (a check).
 
 Submodules, imported where needed:
-- `distkit.toy`: a tiny transformers Llama and generated token data (nothing downloaded).
+- `distkit.toy`: a tiny transformers Llama, generated token data (nothing downloaded), an LR
+  schedule.
 - `distkit.ddp`: `CommLog`, a DDP comm hook that records every bucket's all-reduce.
 - `distkit.comm`: `CollectiveLog`, every collective of a piece of code in order, with its bytes,
   group and (with the profiler) the FSDP unit that issued it.

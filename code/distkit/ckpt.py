@@ -258,7 +258,7 @@ def state_digest(model, optimizer) -> str:
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    digest = [None]
+    digest = None
     if _rank0():
         h = hashlib.sha256()
         for key, value in sorted(_flatten({"model": model_sd, "optim": optim_sd}).items()):
@@ -267,10 +267,8 @@ def state_digest(model, optimizer) -> str:
                 h.update(value.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
             else:
                 h.update(repr(value).encode())
-        digest = [h.hexdigest()]
-    if dist.is_initialized():
-        dist.broadcast_object_list(digest, src=0)
-    return digest[0]
+        digest = h.hexdigest()
+    return _from_rank0(digest)
 
 
 def _flatten(obj, prefix: str = "") -> dict:

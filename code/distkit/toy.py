@@ -2,9 +2,12 @@
 
 The model is a real transformers LlamaForCausalLM, only small; the data are "counting"
 sequences x_t = (start + step * t) mod vocab, which the model can learn, so the loss visibly
-falls from ln(vocab) towards zero.
+falls from ln(vocab) towards zero. `warmup_cosine` is the LR schedule of chapter 05's runs
+(one copy: a checkpoint resumed by another script must meet the same schedule).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.utils.data import TensorDataset
@@ -29,3 +32,10 @@ def counting_data(num_samples: int = 256, seq_len: int = 32, vocab_size: int = 1
     step = torch.randint(1, max_step + 1, (num_samples, 1), generator=g)
     tokens = (start + step * torch.arange(seq_len)) % vocab_size
     return TensorDataset(tokens)
+
+
+def warmup_cosine(optimizer, total_steps: int):
+    """A LambdaLR: linear warm-up over the first tenth of the steps, then cosine decay to 0."""
+    warmup = max(1, total_steps // 10)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
+        (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))))
