@@ -6,8 +6,12 @@ import difflib
 import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 CODE = Path(__file__).resolve().parent.parent  # the course's code/ folder
@@ -37,7 +41,7 @@ def _shown(arg) -> str:
 
 def launch(nproc: int, script: str, *args, ranks: str | None = None,
            env: dict | None = None, expect_failure: bool = False,
-           short_tracebacks: bool = False) -> None:
+           short_tracebacks: bool = False, stop_when=None) -> int:
     """Run `code/run_w_torchrun.sh NPROC SCRIPT ARGS...` and stream its output.
 
     Raises CalledProcessError when the launch fails, so the notebook cell fails too (a plain
@@ -46,7 +50,10 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     rank and raises if the launch *succeeds*.
     `short_tracebacks=True` shows each rank's traceback as its last line only (the error), for
     runs where a rank fails on purpose and the group carries on (torchrun's restarts).
-    Returns nothing: the output is already on screen, and results come back as JSON files.
+    `stop_when` (a function, polled 5 times a second) sends torchrun SIGTERM once it returns
+    True, as a cluster does when it preempts a job; the launch may then end with torchrun's
+    "ended by SIGTERM" status (143) without raising. Returns the launcher's exit status; the
+    output is already on screen, and results come back as JSON files.
     """
     cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
     launch.count += 1
@@ -58,6 +65,8 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
         run_env["RANKS"] = ranks
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=run_env)
+    if stop_when is not None:
+        threading.Thread(target=_stop_when, args=(proc, stop_when), daemon=True).start()
     lines, in_traceback = [], False
     for line in proc.stdout:  # stream, so long runs show progress
         lines.append(line)
@@ -83,8 +92,43 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
                          if re.match(r"(\[rank\d+\]: )?\w*(Error|Exception): ", ln)})
         print("".join(sorted(where, key=lambda w: w.split(":")[0]) + errors)
               + f"=> failed with exit status {status}, as expected")
-    elif status:
+    elif status and not (stop_when is not None and status == 128 + signal.SIGTERM):
         raise subprocess.CalledProcessError(status, cmd, "".join(lines))
+    return status
+
+
+def _stop_when(proc: subprocess.Popen, predicate) -> None:
+    while proc.poll() is None:
+        if predicate():
+            proc.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
+            return
+        time.sleep(0.2)
+
+
+def launch_nodes(nnodes: int, nproc: int, script: str, *args) -> None:
+    """Rehearse a multi-node launch on this machine: `nnodes` launchers, each with NPROC
+    processes, started at once with NNODES and RDZV_ENDPOINT=127.0.0.1:<a free port>, as each
+    node of a cluster would run it. torchrun's c10d rendezvous assigns the ranks. Prints each
+    "node"'s output once all are done (node order, so it reads the same every time) and raises
+    CalledProcessError if any failed."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    shown = shlex.join([str(nproc), script, *map(_shown, args)])
+    print(f"$ NNODES={nnodes} RDZV_ENDPOINT=127.0.0.1:$PORT code/run_w_torchrun.sh {shown}"
+          f"   # x {nnodes}, at once", flush=True)
+    launch.count += nnodes
+    cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
+    env = {**os.environ, "PYTHON": sys.executable, "NNODES": str(nnodes),
+           "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": f"rehearsal{port}"}
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) for _ in range(nnodes)]
+    outputs = [p.communicate()[0] for p in procs]
+    for node, (p, out) in enumerate(zip(procs, outputs)):
+        print(f"--- node {node} (exit status {p.returncode}) ---\n{out}", end="", flush=True)
+    for p, out in zip(procs, outputs):
+        if p.returncode:
+            raise subprocess.CalledProcessError(p.returncode, cmd, out)
 
 
 launch.count = 0  # launches so far in this kernel: a notebook's last cell reports them

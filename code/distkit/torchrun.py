@@ -7,9 +7,11 @@ takes torchrun's own arguments and differs from `torchrun` in three ways:
   rank's stdout/stderr under RUN_DIR, but torchrun would also tag each console line "[default0]:";
 - torchrun's own log lines (closing signals, "failed (exitcode: 1)") go to RUN_DIR/torchrun.log;
 - when a rank fails, two lines (which rank failed first, its error, where the logs are) replace
-  torchrun's ~40-line ChildFailedError traceback, which goes to torchrun.log as well.
+  torchrun's ~40-line ChildFailedError traceback, which goes to torchrun.log as well;
+- when torchrun itself is stopped by a signal (SIGTERM: a preemption), one line says so
+  instead of its SignalException traceback.
 The ranks' own error output (the traceback a learner needs) stays on the console. Exit status is
-torchrun's: 0, or 1 when a rank failed.
+torchrun's: 0, 1 when a rank failed, 128 + the signal's number when stopped by a signal.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
@@ -90,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
               f"run_w_torchrun.sh: exit status 1; every rank's logs and torchrun's report "
               f"(torchrun.log) are in {where}/", file=console_err, flush=True)
         return 1
+    except SignalException as e:  # SIGTERM & co. (a preemption): torchrun passed it on
+        print(f"run_w_torchrun.sh: torchrun received {e.sigval.name}, sent it to the ranks and "
+              f"waited for them to exit (up to 30 s, then SIGKILL)", file=console_err, flush=True)
+        return 128 + e.sigval  # the shell's convention for "ended by a signal"
     finally:
         sys.stdout, sys.stderr = sys.stdout.stream, sys.stderr.stream
     return 0

@@ -1,0 +1,414 @@
+"""Chapter 06's capstone: train a transformers Llama with FSDP2, from one CPU process to many GPU nodes.
+
+    code/run_w_torchrun.sh 2 ch06_capstone/train_llama.py --max-steps 200 --out build/ch06/run
+    code/run_w_torchrun.sh 8 ch06_capstone/train_llama.py --preset llama-1b --seq-len 2048 \
+        --batch-size 256 --micro-batch 4 --vocab-size 32000 --out /scratch/run1 --resume
+
+One file, one loop, no framework: everything chapters 01-05 taught, in the order a step needs
+it. The model is a transformers LlamaForCausalLM built from a preset config (or loaded with
+from_pretrained from --model-path), initialised once on rank 0 and handed out shard by shard;
+fully_shard wraps each decoder layer and then the root (FSDP2); the data is the Python
+reference documentation, tokenized with a BPE trained on it (corpus.py). A step is
+--batch-size sequences: each rank runs --micro-batch sequences at a time, accumulating
+gradients until its share is done, then clips them and takes an AdamW step with a warm-up +
+cosine learning rate. Every --eval-every steps it measures the held-out loss; every
+--save-every steps it writes a Distributed Checkpoint that --resume continues bit for bit;
+SIGTERM or SIGUSR1 (a preemption, a Slurm time limit) make it save and stop cleanly. At the end
+it exports a Hugging Face folder (model + tokenizer) that from_pretrained and generate() read.
+
+What it writes to --out: metrics.jsonl (one line per step and per evaluation), checkpoints/,
+hf/ (the export), and with --tensorboard the same metrics as TensorBoard events.
+"""
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     set_model_state_dict)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # corpus.py, next to this file
+import corpus  # noqa: E402
+from distkit import print0, setup, teardown  # noqa: E402
+from distkit.ckpt import AppState, CheckpointDir  # noqa: E402
+
+# Llama architectures (transformers LlamaConfig fields); the vocabulary comes from the tokenizer.
+PRESETS = {
+    "cpu-tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+                     tie_word_embeddings=True),
+    # Llama 3.2 1B's and Llama 3.1 8B's shapes (without their rope scaling for long contexts)
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                     tie_word_embeddings=True),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                     tie_word_embeddings=False),
+}
+# Dense bf16 tensor-core peaks (no 2:4 sparsity) from the vendors' datasheets, FLOP/s per GPU;
+# the first name contained in torch.cuda.get_device_name() wins. Others: --peak-tflops.
+PEAK_BF16_FLOPS = {"H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12,
+                   "GH200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12,
+                   "L4": 121e12, "A10": 125e12, "MI300X": 1307e12}
+
+p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+g = p.add_argument_group("model")
+g.add_argument("--preset", choices=PRESETS, default="cpu-tiny", help="architecture to build")
+g.add_argument("--model-path", help="a local Hugging Face folder (config, weights, tokenizer) "
+                                    "to fine-tune instead of a preset")
+g = p.add_argument_group("data")
+g.add_argument("--data-dir", default="build/ch06/data", help="tokenizer and token cache")
+g.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary to train")
+g.add_argument("--seq-len", type=int, default=128, help="tokens per packed sequence")
+g = p.add_argument_group("FSDP2")
+g.add_argument("--reshard-after-forward", type=int, choices=[0, 1], default=1,
+               help="1: free the gathered layer after forward (ZeRO-3); 0: keep it (ZeRO-2)")
+g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+               help="bf16: compute in bf16 with fp32 master weights and reductions; "
+                    "auto: bf16 on GPU, fp32 on CPU")
+g.add_argument("--cpu-offload", action="store_true", help="keep shards and AdamW state in "
+                                                           "host memory (GPU only)")
+g.add_argument("--activation-checkpointing", action="store_true",
+               help="recompute each layer's activations in backward")
+g = p.add_argument_group("optimisation")
+g.add_argument("--batch-size", type=int, default=16, help="sequences per step, all ranks")
+g.add_argument("--micro-batch", type=int, default=8, help="sequences per forward, per rank")
+g.add_argument("--max-steps", type=int, help="steps to train (default: --epochs of the data)")
+g.add_argument("--epochs", type=float, default=1.0)
+g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+g.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the last step")
+g.add_argument("--warmup", type=int, default=20, help="steps of linear warm-up")
+g.add_argument("--weight-decay", type=float, default=0.1)
+g.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95))
+g.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
+g.add_argument("--seed", type=int, default=0)
+g = p.add_argument_group("evaluation, checkpoints, output")
+g.add_argument("--out", default="build/ch06/run", help="metrics, checkpoints and export go here")
+g.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+g.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: none)")
+g.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
+g.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
+g.add_argument("--no-export", action="store_true", help="skip the Hugging Face export")
+g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard/")
+g.add_argument("--peak-tflops", type=float, help="this GPU's peak (for MFU) if not in the table")
+g.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
+args = p.parse_args()
+
+# Bad input: one line and exit status 2, before any process group exists.
+world = int(os.environ.get("WORLD_SIZE", 1))
+if min(args.batch_size, args.micro_batch, args.seq_len - 1, args.eval_every) < 1:
+    p.error("--batch-size, --micro-batch and --eval-every must be >= 1, --seq-len >= 2")
+if args.batch_size % (world * args.micro_batch):
+    p.error(f"--batch-size {args.batch_size} must be a multiple of {world} ranks x "
+            f"--micro-batch {args.micro_batch}")
+if args.vocab_size < 257 and not args.model_path:
+    p.error("--vocab-size must be >= 257 (the 256 bytes and the end-of-text token)")
+if not 0 <= args.min_lr <= args.lr or args.warmup < 0 or args.save_every < 0 or args.keep < 2:
+    p.error("need 0 <= --min-lr <= --lr, --warmup >= 0, --save-every >= 0, --keep >= 2")
+if args.model_path and not os.path.isfile(os.path.join(args.model_path, "config.json")):
+    p.error(f"--model-path: no config.json in {args.model_path}")
+if args.resume and not args.save_every:
+    p.error("--resume needs --save-every (and the same --out as the run it continues)")
+on_gpu = torch.cuda.is_available() and os.environ.get("COURSE_DEVICE", "") != "cpu"
+if args.cpu_offload and not on_gpu:
+    p.error("--cpu-offload needs a GPU: FSDP2's CPUOffloadPolicy pins host memory for "
+            "copies to an accelerator")
+if args.tensorboard:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        p.error("--tensorboard needs the tensorboard package (pip install tensorboard); "
+                "metrics.jsonl holds the same numbers")
+
+env = setup()
+out = Path(args.out)
+bf16 = args.precision == "bf16" or (args.precision == "auto" and env.device.type == "cuda")
+accum = args.batch_size // (env.world_size * args.micro_batch)  # micro-batches per step
+
+# ---- data: every rank reads the same cached tokens (the first rank of each node builds them)
+tokenizer = None
+if args.model_path:
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+if env.local_rank == 0:
+    corpus.prepare(args.data_dir, args.vocab_size, args.seq_len, tokenizer=tokenizer)
+dist.barrier()
+folder = corpus.prepare(args.data_dir, args.vocab_size, args.seq_len, tokenizer=tokenizer)
+train_data, heldout = corpus.load(folder)
+facts = corpus.facts(folder)
+steps_per_epoch = len(train_data) // args.batch_size
+if steps_per_epoch == 0:
+    raise SystemExit(f"train_llama.py: --batch-size {args.batch_size} is more than the "
+                     f"{len(train_data)} training sequences")
+max_steps = args.max_steps or max(1, round(args.epochs * steps_per_epoch))
+
+
+def batch_of(step: int) -> torch.Tensor:
+    """This rank's sequences of a step: the epoch's shuffled order (the same on every rank and
+    for every world size) cut into global batches, and each global batch into one slice per
+    rank. Depends on nothing but the step, so a resumed run reads exactly what it would have."""
+    epoch, i = divmod(step, steps_per_epoch)
+    order = torch.randperm(len(train_data), generator=torch.Generator().manual_seed(
+        args.seed * 100_003 + epoch))
+    ids = order[i * args.batch_size:(i + 1) * args.batch_size].view(env.world_size, -1)[env.rank]
+    return train_data[ids].long()
+
+
+# ---- model: built once on rank 0 (seeded, or loaded), empty shells elsewhere, then sharded
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.disable_progress_bar()  # rank 0's own bar is enough
+
+if args.model_path:
+    config = AutoConfig.from_pretrained(args.model_path)
+else:
+    config = LlamaConfig(vocab_size=facts["vocab_size"], max_position_embeddings=args.seq_len,
+                         rms_norm_eps=1e-5, **PRESETS[args.preset])
+full_state = {}
+if env.rank == 0:  # the only full copy, in host memory: any world size starts from these weights
+    if args.model_path:
+        full = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+    else:
+        torch.manual_seed(args.seed)
+        full = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    full_state = full.state_dict()
+with torch.device("meta"):  # shapes only: no memory, no random numbers
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+if args.activation_checkpointing:  # before sharding, as in chapter 04
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+fsdp = {"reshard_after_forward": bool(args.reshard_after_forward)}
+if bf16:  # compute in bf16; parameters (AdamW's copy) and gradient reductions stay fp32
+    fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+if args.cpu_offload:
+    fsdp["offload_policy"] = CPUOffloadPolicy()
+for layer in model.model.layers:
+    fully_shard(layer, **fsdp)
+fully_shard(model, **fsdp)  # the root: embeddings, final norm, lm_head (tied or not)
+model.to_empty(device="cpu" if args.cpu_offload else env.device)  # allocate this rank's shards
+set_model_state_dict(model, full_state, options=StateDictOptions(  # rank 0 sends each its shard
+    full_state_dict=True, broadcast_from_rank0=True))
+# to_empty left the buffers that no state dict holds uninitialised: the rotary embedding's
+# inv_freq (chapter 04's trap). Build that module again, from the config.
+model.model.rotary_emb = type(model.model.rotary_emb)(config).to(env.device)
+del full_state
+
+# AdamW without weight decay on norms and biases (1-D tensors), as in GPT-2/Llama recipes
+decay = [q for q in model.parameters() if q.ndim >= 2]
+no_decay = [q for q in model.parameters() if q.ndim < 2]
+optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}],
+                              lr=args.lr, betas=tuple(args.betas), fused=env.device.type == "cuda")
+
+
+def lr_at(step: int) -> float:
+    """Linear warm-up to --lr over --warmup steps, then cosine decay to --min-lr at the end."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, max_steps - args.warmup)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(1., progress)))
+
+
+# ---- what a step costs: FLOPs per token for MFU (PaLM's appendix B): 6 per weight that a
+# token meets in a matmul (forward 2, backward 4), plus attention's scores and weighted sum
+matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+head_dim = config.hidden_size // config.num_attention_heads
+flops_per_token = (6 * matmul_params + 12 * config.num_hidden_layers
+                   * config.num_attention_heads * head_dim * args.seq_len)
+peak = None
+if env.device.type == "cuda":
+    name = torch.cuda.get_device_name()
+    peak = (args.peak_tflops * 1e12 if args.peak_tflops else
+            next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None))
+    if peak is None:
+        print0(f"no peak FLOP/s known for {name}: MFU n/a (give --peak-tflops)")
+
+
+@torch.no_grad()
+def evaluate() -> float:
+    """Mean next-token cross-entropy over every held-out sequence, whatever the world size:
+    each rank sums its share's token losses and counts, and the sums are all-reduced. Ranks
+    with fewer sequences run padding batches (weight 0): FSDP2 needs every rank in every
+    forward, for its all-gathers."""
+    model.eval()
+    mine = heldout[env.rank::env.world_size]
+    batches = math.ceil(math.ceil(len(heldout) / env.world_size) / args.micro_batch)
+    total = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, token count
+    for b in range(batches):
+        x = mine[b * args.micro_batch:(b + 1) * args.micro_batch].long().to(env.device)
+        if len(x) == 0:
+            x = heldout[:1].long().to(env.device)
+        logits = model(input_ids=x).logits.float()
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
+        if b * args.micro_batch < len(mine):
+            total += torch.stack([loss.double(), torch.tensor(x[:, 1:].numel(), device=env.device)])
+    dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+class Progress:
+    """Where the run is, for DCP (Stateful). The settings that decide the data order and the
+    schedule are saved too: resuming with others would silently train a different run."""
+
+    def __init__(self):
+        self.step, self.tokens = 0, 0
+        self.run = {"--batch-size": args.batch_size, "--seq-len": args.seq_len,
+                    "--max-steps": max_steps, "--lr": args.lr, "--min-lr": args.min_lr,
+                    "--warmup": args.warmup, "--seed": args.seed, "vocab": facts["vocab_size"]}
+
+    def state_dict(self):
+        return {"step": self.step, "tokens": self.tokens, "run": dict(self.run)}  # copies
+
+    def load_state_dict(self, state):
+        if changed := [f"{k} {v} (now {self.run[k]})" for k, v in state["run"].items()
+                       if self.run.get(k) != v]:
+            raise SystemExit("train_llama.py: the checkpoint's run had " + ", ".join(changed))
+        self.step, self.tokens = state["step"], state["tokens"]
+
+
+progress = Progress()
+state = {"app": AppState(model, optimizer), "progress": progress}
+ckpt = CheckpointDir(out / "checkpoints", keep=args.keep) if args.save_every else None
+metrics_path = out / "metrics.jsonl"
+if args.resume and (start := ckpt.latest()):
+    dcp.load(state, checkpoint_id=start)  # each rank reads the pieces of its own shards
+    print0(f"resumed from {start.name}: step {progress.step} of {max_steps}")
+    if env.rank == 0 and metrics_path.exists():  # forget what was logged after the checkpoint
+        rows = [r for r in metrics_path.read_text().splitlines()
+                if json.loads(r)["step"] <= progress.step]
+        metrics_path.write_text("".join(r + "\n" for r in rows))
+elif env.rank == 0:
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path.unlink(missing_ok=True)
+
+
+def save():
+    folder = ckpt.begin(progress.step)
+    dcp.save(state, checkpoint_id=folder)  # every rank writes its own shards, in parallel
+    ckpt.commit(progress.step, world_size=env.world_size)
+
+
+# Preemption: Slurm sends SIGTERM at the time limit (or a chosen signal before it, sbatch
+# --signal); torchrun passes SIGTERM on. The handler only raises a flag; the loop agrees on it
+# across ranks, saves a checkpoint and stops.
+stop_signal = []
+for sig in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(sig, lambda signum, frame: stop_signal.append(signal.Signals(signum).name))
+
+log, tb = None, None
+if env.rank == 0:
+    log = metrics_path.open("a")
+    if args.tensorboard:
+        tb = SummaryWriter(out / "tensorboard", purge_step=progress.step + 1)
+print0(f"{config.model_type} {args.preset if not args.model_path else args.model_path}: "
+       f"{sum(q.numel() for q in model.parameters()):,} parameters, {env.world_size} rank(s) on "
+       f"{env.device.type}, {'bf16' if bf16 else 'fp32'}; {facts['train_sequences']} training "
+       f"sequences of {args.seq_len} tokens; steps {max_steps} of {args.batch_size} sequences "
+       f"({accum} micro-batch(es) of {args.micro_batch} per rank per step)")
+
+
+def record(row: dict):
+    if log:
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        for k, v in row.items():
+            if tb and isinstance(v, (int, float)) and k != "step":
+                tb.add_scalar(k, v, row["step"])
+
+
+bar = None
+if env.rank == 0 and not args.no_progress:
+    from tqdm import tqdm
+    bar = tqdm(total=max_steps, initial=progress.step, file=sys.stdout, mininterval=2,
+               dynamic_ncols=True, desc="train")
+if progress.step == 0:
+    record({"step": 0, "eval_loss": evaluate(), "unigram_loss": facts["unigram_loss"]})
+
+model.train()
+while progress.step < max_steps:
+    t0 = time.perf_counter()
+    lr = lr_at(progress.step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    tokens = batch_of(progress.step).to(env.device)
+    loss_sum = torch.zeros((), device=env.device)
+    for i, x in enumerate(tokens.split(args.micro_batch)):
+        # reduce-scatter the gradients only after the last micro-batch (chapter 04)
+        model.set_requires_gradient_sync(i == accum - 1)
+        loss = model(input_ids=x, labels=x).loss / accum  # mean over this rank's share
+        loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    progress.step += 1
+    progress.tokens += args.batch_size * args.seq_len
+    # one small all-reduce for what every rank must agree on: the mean loss and "stop?"
+    shared = torch.stack([loss_sum, torch.tensor(float(bool(stop_signal)), device=env.device)])
+    dist.all_reduce(shared)
+    loss, stop = shared[0].item() / env.world_size, shared[1].item() > 0
+    seconds = time.perf_counter() - t0
+    row = {"step": progress.step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
+           "tokens": progress.tokens, "tokens_per_s": args.batch_size * args.seq_len / seconds,
+           "step_s": seconds}
+    if peak:
+        row["mfu"] = flops_per_token * row["tokens_per_s"] / (peak * env.world_size)
+    # memory per rank: the CUDA caching allocator's peak on GPU, the process's resident memory
+    # (everything: Python, torch, buffers) on CPU
+    mine = (torch.cuda.max_memory_allocated() if env.device.type == "cuda"
+            else psutil.Process().memory_info().rss)
+    per_rank = torch.zeros(env.world_size, device=env.device)
+    dist.all_gather_single(per_rank, torch.tensor([mine / 2**20], device=env.device))
+    row["mem_mib"] = [round(m, 1) for m in per_rank.tolist()]
+    if progress.step % args.eval_every == 0 or progress.step == max_steps:
+        row["eval_loss"] = evaluate()
+        row["eval_ppl"] = math.exp(row["eval_loss"])
+        msg = (f"step {progress.step}: eval loss {row['eval_loss']:.3f} (perplexity "
+               f"{row['eval_ppl']:.1f}; unigram baseline {facts['unigram_loss']:.3f})")
+        bar.write(msg) if bar else print0(msg)
+    record(row)
+    if bar:
+        bar.update(1)
+        bar.set_postfix({"loss": f"{loss:.3f}", "lr": f"{lr:.2e}", "gnorm": f"{row['grad_norm']:.2f}",
+                         "tok/s": f"{row['tokens_per_s']:.0f}",
+                         "mfu": f"{row['mfu']:.1%}" if "mfu" in row else "n/a"}, refresh=False)
+    if ckpt and (progress.step % args.save_every == 0 or stop):
+        save()
+    if stop:
+        print0(f"stopped by {stop_signal[0] if stop_signal else 'a signal on another rank'} "
+               f"after step {progress.step}; checkpoint saved: run again with --resume")
+        break
+
+if bar:
+    bar.close()
+if not stop and not args.no_export:  # a Hugging Face folder: from_pretrained + generate read it
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    if env.rank == 0:
+        with torch.device("meta"):
+            export = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        export.load_state_dict(full, assign=True)
+        export.tie_weights()
+        export.save_pretrained(out / "hf")
+        (tokenizer or corpus.tokenizer(folder)).save_pretrained(out / "hf")
+        print0(f"exported to {out / 'hf'}")
+if log:
+    log.close()
+if tb:
+    tb.close()
+teardown()
