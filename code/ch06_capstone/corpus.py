@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 
 import torch
@@ -24,7 +25,11 @@ EOS = "<|endoftext|>"  # between documents, so a packed sequence sees where one 
 FORMAT = 1  # bump when the way the cache is built changes
 
 
-def documents() -> list[str]:
+def documents(files=None) -> list[str]:
+    """The course's text: Python's reference documentation, one document per topic. Or, with
+    `files`, your own: one document per file (UTF-8 text)."""
+    if files:
+        return [Path(f).read_text(encoding="utf-8", errors="replace") for f in sorted(files)]
     try:
         from pydoc_data.topics import topics
     except ImportError:  # some Linux distributions split it into a separate package
@@ -53,24 +58,24 @@ def hf_tokenizer(tok):
 
 
 def prepare(data_dir: str | os.PathLike, vocab_size: int, seq_len: int, eval_every: int = 20,
-            tokenizer=None) -> Path:
+            tokenizer=None, files=None) -> Path:
     """Build (once) and return the cache folder: tokenizer/, train.pt, heldout.pt, facts.json.
 
     The token stream (documents joined by EOS) is cut into sequences of seq_len tokens; every
     `eval_every`-th sequence is held out, so the held-out text comes from every topic. With
     `tokenizer` (a transformers tokenizer, e.g. from --model-path) it is used instead of
-    training one. Writes go to a temporary name and are renamed, so ranks or nodes that build
-    the same cache at once never read half a file.
+    training one; with `files`, their text replaces the course's. Writes go to a temporary name
+    and are renamed, so ranks or nodes that build the same cache at once never read half a file.
     """
-    docs = documents()
+    docs = documents(files)
     key = hashlib.sha256(json.dumps([FORMAT, vocab_size, seq_len, eval_every,
                                      tokenizer.name_or_path if tokenizer else None,
                                      hashlib.sha256("".join(docs).encode()).hexdigest()])
                          .encode()).hexdigest()[:12]
-    folder = Path(data_dir) / f"pydoc-{key}"
+    folder = Path(data_dir) / f"{'text' if files else 'pydoc'}-{key}"
     if (folder / "facts.json").exists():
         return folder
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    tmp = folder.with_name(f"{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     tmp.mkdir(parents=True)
     if tokenizer is None:
         tokenizer = hf_tokenizer(train_tokenizer(docs, vocab_size))

@@ -1,20 +1,21 @@
 """Chapter 06's capstone: train a transformers Llama with FSDP2, from one CPU process to many GPU nodes.
 
-    code/run_w_torchrun.sh 2 ch06_capstone/train_llama.py --max-steps 200 --out build/ch06/run
-    code/run_w_torchrun.sh 8 ch06_capstone/train_llama.py --preset llama-1b --seq-len 2048 \
-        --batch-size 256 --micro-batch 4 --vocab-size 32000 --out /scratch/run1 --resume
+    code/run_w_torchrun.sh 2 ch06_capstone/train_llama.py --max-steps 100 --out build/ch06/run
+    code/run_w_torchrun.sh 8 ch06_capstone/train_llama.py --preset llama-1b --text /data/*.txt \
+        --vocab-size 32000 --seq-len 2048 --batch-size 256 --micro-batch 4 --out /scratch/run1 --resume
 
 One file, one loop, no framework: everything chapters 01-05 taught, in the order a step needs
 it. The model is a transformers LlamaForCausalLM built from a preset config (or loaded with
 from_pretrained from --model-path), initialised once on rank 0 and handed out shard by shard;
-fully_shard wraps each decoder layer and then the root (FSDP2); the data is the Python
-reference documentation, tokenized with a BPE trained on it (corpus.py). A step is
+fully_shard wraps each decoder layer and then the root (FSDP2). The data is Python's reference
+documentation (or your --text files), tokenized with a BPE trained on it (corpus.py). A step is
 --batch-size sequences: each rank runs --micro-batch sequences at a time, accumulating
 gradients until its share is done, then clips them and takes an AdamW step with a warm-up +
 cosine learning rate. Every --eval-every steps it measures the held-out loss; every
---save-every steps it writes a Distributed Checkpoint that --resume continues bit for bit;
-SIGTERM or SIGUSR1 (a preemption, a Slurm time limit) make it save and stop cleanly. At the end
-it exports a Hugging Face folder (model + tokenizer) that from_pretrained and generate() read.
+--save-every steps it writes a Distributed Checkpoint, from which --resume continues where the
+run stopped (on another number of ranks too); SIGTERM or SIGUSR1 (a preemption, a Slurm time
+limit) make it save and stop cleanly. At the end it exports a Hugging Face folder (model +
+tokenizer) that from_pretrained and generate() read.
 
 What it writes to --out: metrics.jsonl (one line per step and per evaluation), checkpoints/,
 hf/ (the export), and with --tensorboard the same metrics as TensorBoard events.
@@ -45,16 +46,16 @@ from distkit.ckpt import AppState, CheckpointDir  # noqa: E402
 
 # Llama architectures (transformers LlamaConfig fields); the vocabulary comes from the tokenizer.
 PRESETS = {
-    "cpu-tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-                     tie_word_embeddings=True),
+    "cpu-tiny": {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0,
+                 "tie_word_embeddings": True},
     # Llama 3.2 1B's and Llama 3.1 8B's shapes (without their rope scaling for long contexts)
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
-                     tie_word_embeddings=True),
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
-                     tie_word_embeddings=False),
+    "llama-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
+                 "tie_word_embeddings": True},
+    "llama-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
+                 "tie_word_embeddings": False},
 }
 # Dense bf16 tensor-core peaks (no 2:4 sparsity) from the vendors' datasheets, FLOP/s per GPU;
 # the first name contained in torch.cuda.get_device_name() wins. Others: --peak-tflops.
@@ -62,48 +63,73 @@ PEAK_BF16_FLOPS = {"H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "H20
                    "GH200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12,
                    "L4": 121e12, "A10": 125e12, "MI300X": 1307e12}
 
-p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 g = p.add_argument_group("model")
-g.add_argument("--preset", choices=PRESETS, default="cpu-tiny", help="architecture to build")
-g.add_argument("--model-path", help="a local Hugging Face folder (config, weights, tokenizer) "
-                                    "to fine-tune instead of a preset")
+g.add_argument("--preset", choices=PRESETS, default="cpu-tiny",
+               help="architecture to build (default %(default)s)")
+g.add_argument("--model-path", metavar="DIR", help="a local Hugging Face folder (config, "
+               "weights, tokenizer) to fine-tune instead of a preset")
 g = p.add_argument_group("data")
-g.add_argument("--data-dir", default="build/ch06/data", help="tokenizer and token cache")
-g.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary to train")
-g.add_argument("--seq-len", type=int, default=128, help="tokens per packed sequence")
+g.add_argument("--text", nargs="+", metavar="FILE", help="train on these UTF-8 text files (one "
+               "document each) instead of the course's text, Python's reference docs")
+g.add_argument("--data-dir", metavar="DIR", default="build/ch06/data",
+               help="tokenizer and token cache (default %(default)s)")
+g.add_argument("--vocab-size", type=int, metavar="N", default=2048,
+               help="BPE vocabulary to train (default %(default)s)")
+g.add_argument("--seq-len", type=int, metavar="N", default=128,
+               help="tokens per packed sequence (default %(default)s)")
 g = p.add_argument_group("FSDP2")
 g.add_argument("--reshard-after-forward", type=int, choices=[0, 1], default=1,
-               help="1: free the gathered layer after forward (ZeRO-3); 0: keep it (ZeRO-2)")
+               help="1: free each gathered layer after forward (ZeRO-3, default); "
+                    "0: keep it until backward (ZeRO-2-like)")
 g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
-               help="bf16: compute in bf16 with fp32 master weights and reductions; "
-                    "auto: bf16 on GPU, fp32 on CPU")
-g.add_argument("--cpu-offload", action="store_true", help="keep shards and AdamW state in "
-                                                           "host memory (GPU only)")
+               help="bf16: compute in bf16, fp32 weights in AdamW and fp32 gradient "
+                    "reductions; auto (default): bf16 on GPU, fp32 on CPU")
+g.add_argument("--cpu-offload", action="store_true",
+               help="keep shards, gradients and AdamW state in host memory (GPU only)")
 g.add_argument("--activation-checkpointing", action="store_true",
-               help="recompute each layer's activations in backward")
+               help="recompute each decoder layer's activations in backward")
 g = p.add_argument_group("optimisation")
-g.add_argument("--batch-size", type=int, default=16, help="sequences per step, all ranks")
-g.add_argument("--micro-batch", type=int, default=8, help="sequences per forward, per rank")
-g.add_argument("--max-steps", type=int, help="steps to train (default: --epochs of the data)")
-g.add_argument("--epochs", type=float, default=1.0)
-g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-g.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the last step")
-g.add_argument("--warmup", type=int, default=20, help="steps of linear warm-up")
-g.add_argument("--weight-decay", type=float, default=0.1)
-g.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95))
-g.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
-g.add_argument("--seed", type=int, default=0)
+g.add_argument("--batch-size", type=int, metavar="N", default=16,
+               help="sequences per optimizer step, all ranks together (default %(default)s)")
+g.add_argument("--micro-batch", type=int, metavar="N", default=8,
+               help="sequences per forward, per rank (default %(default)s); "
+                    "accumulation steps = batch-size / (micro-batch x ranks)")
+g.add_argument("--max-steps", type=int, metavar="N",
+               help="optimizer steps to train (default: --epochs passes over the data)")
+g.add_argument("--epochs", type=float, default=1.0, help="(default %(default)s)")
+g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default %(default)s)")
+g.add_argument("--min-lr", type=float, default=3e-4,
+               help="learning rate at the last step (default %(default)s)")
+g.add_argument("--warmup", type=int, metavar="STEPS", default=20,
+               help="steps of linear warm-up (default %(default)s)")
+g.add_argument("--weight-decay", type=float, default=0.1,
+               help="AdamW's, on matrices only (default %(default)s)")
+g.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95), metavar=("B1", "B2"),
+               help="AdamW's (default 0.9 0.95)")
+g.add_argument("--clip", type=float, default=1.0,
+               help="max global gradient norm, 0 for none (default %(default)s)")
+g.add_argument("--seed", type=int, default=0, help="initial weights and data order (default 0)")
 g = p.add_argument_group("evaluation, checkpoints, output")
-g.add_argument("--out", default="build/ch06/run", help="metrics, checkpoints and export go here")
-g.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
-g.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: none)")
-g.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
-g.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
-g.add_argument("--no-export", action="store_true", help="skip the Hugging Face export")
-g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard/")
-g.add_argument("--peak-tflops", type=float, help="this GPU's peak (for MFU) if not in the table")
+g.add_argument("--out", metavar="DIR", default="build/ch06/run",
+               help="metrics, checkpoints and the export go here (default %(default)s)")
+g.add_argument("--eval-every", type=int, metavar="STEPS", default=50,
+               help="steps between held-out evaluations (default %(default)s)")
+g.add_argument("--save-every", type=int, metavar="STEPS", default=0,
+               help="steps between checkpoints (default 0: none)")
+g.add_argument("--keep", type=int, metavar="N", default=2,
+               help="checkpoints to keep (default %(default)s)")
+g.add_argument("--resume", action="store_true",
+               help="continue from the newest good checkpoint in OUT/checkpoints")
+g.add_argument("--no-export", action="store_true", help="skip the Hugging Face export at the end")
+g.add_argument("--tensorboard", action="store_true",
+               help="also log to OUT/tensorboard/ (needs the tensorboard package)")
+g.add_argument("--peak-tflops", type=float, metavar="TFLOPS",
+               help="this GPU's dense bf16 peak, for MFU, if it is not in the table")
 g.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
+g.add_argument("--timeout", type=float, metavar="SECONDS", help="how long a rank waits in a "
+               "collective before failing (default: 60 s for cpu-tiny, else 1800 s: rank 0 "
+               "alone builds a large model, saves, exports, while the others wait)")
 args = p.parse_args()
 
 # Bad input: one line and exit status 2, before any process group exists.
@@ -117,6 +143,8 @@ if args.vocab_size < 257 and not args.model_path:
     p.error("--vocab-size must be >= 257 (the 256 bytes and the end-of-text token)")
 if not 0 <= args.min_lr <= args.lr or args.warmup < 0 or args.save_every < 0 or args.keep < 2:
     p.error("need 0 <= --min-lr <= --lr, --warmup >= 0, --save-every >= 0, --keep >= 2")
+if args.text and (missing := [f for f in args.text if not os.path.isfile(f)]):
+    p.error(f"--text: no such file {missing[0]}")
 if args.model_path and not os.path.isfile(os.path.join(args.model_path, "config.json")):
     p.error(f"--model-path: no config.json in {args.model_path}")
 if args.resume and not args.save_every:
@@ -132,7 +160,8 @@ if args.tensorboard:
         p.error("--tensorboard needs the tensorboard package (pip install tensorboard); "
                 "metrics.jsonl holds the same numbers")
 
-env = setup()
+env = setup(args.timeout or (None if args.preset == "cpu-tiny" and not args.model_path
+                             else 1800))
 out = Path(args.out)
 bf16 = args.precision == "bf16" or (args.precision == "auto" and env.device.type == "cuda")
 accum = args.batch_size // (env.world_size * args.micro_batch)  # micro-batches per step
@@ -143,15 +172,20 @@ if args.model_path:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
 if env.local_rank == 0:
-    corpus.prepare(args.data_dir, args.vocab_size, args.seq_len, tokenizer=tokenizer)
+    corpus.prepare(args.data_dir, args.vocab_size, args.seq_len, tokenizer=tokenizer,
+                   files=args.text)
 dist.barrier()
-folder = corpus.prepare(args.data_dir, args.vocab_size, args.seq_len, tokenizer=tokenizer)
+folder = corpus.prepare(args.data_dir, args.vocab_size, args.seq_len, tokenizer=tokenizer,
+                        files=args.text)
 train_data, heldout = corpus.load(folder)
 facts = corpus.facts(folder)
 steps_per_epoch = len(train_data) // args.batch_size
 if steps_per_epoch == 0:
     raise SystemExit(f"train_llama.py: --batch-size {args.batch_size} is more than the "
                      f"{len(train_data)} training sequences")
+if len(heldout) == 0:
+    raise SystemExit(f"train_llama.py: no held-out sequences at --seq-len {args.seq_len} (the "
+                     f"text has {facts['tokens']} tokens; every 20th sequence is held out)")
 max_steps = args.max_steps or max(1, round(args.epochs * steps_per_epoch))
 
 
@@ -214,10 +248,11 @@ optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_dec
 
 
 def lr_at(step: int) -> float:
-    """Linear warm-up to --lr over --warmup steps, then cosine decay to --min-lr at the end."""
+    """Linear warm-up to --lr over --warmup steps, then cosine decay to --min-lr at the last
+    step (steps count from 0)."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, max_steps - args.warmup)
+    progress = (step - args.warmup) / max(1, max_steps - 1 - args.warmup)
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(1., progress)))
 
 
@@ -301,9 +336,10 @@ def save():
     ckpt.commit(progress.step, world_size=env.world_size)
 
 
-# Preemption: Slurm sends SIGTERM at the time limit (or a chosen signal before it, sbatch
-# --signal); torchrun passes SIGTERM on. The handler only raises a flag; the loop agrees on it
-# across ranks, saves a checkpoint and stops.
+# Preemption: Slurm sends SIGTERM at the time limit (earlier with sbatch --signal=TERM@SECONDS),
+# and torchrun passes SIGTERM on to its ranks (SIGUSR1 only with --signals-to-handle: else it
+# kills torchrun). The handler only raises a flag; the loop agrees on it across ranks, saves a
+# checkpoint and stops.
 stop_signal = []
 for sig in (signal.SIGTERM, signal.SIGUSR1):
     signal.signal(sig, lambda signum, frame: stop_signal.append(signal.Signals(signum).name))
@@ -338,6 +374,7 @@ if progress.step == 0:
     record({"step": 0, "eval_loss": evaluate(), "unigram_loss": facts["unigram_loss"]})
 
 model.train()
+stop = False
 while progress.step < max_steps:
     t0 = time.perf_counter()
     lr = lr_at(progress.step)

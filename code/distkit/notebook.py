@@ -174,6 +174,16 @@ def source_of(script: str, name: str) -> str:
     raise LookupError(f"no top-level function or class {name!r} in {script}")
 
 
+def constant_of(script: str, name: str):
+    """The value of a top-level constant (a literal: dict, list, number...) in a script in code/,
+    read without running the script."""
+    for node in ast.parse((CODE / script).read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name
+                                                for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"no top-level constant {name!r} in {script}")
+
+
 def show_source(script: str, name: str | None = None):
     """A script in code/ (or one function of it) as a highlighted code block."""
     from IPython.display import Code
