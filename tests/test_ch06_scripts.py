@@ -27,7 +27,8 @@ SCRIPT = "ch06_capstone/train_llama.py"
     (["--keep", "1"], {}, "--keep >= 2"),
     (["--text", "/no/such.txt"], {}, "--text: no such file /no/such.txt"),
     (["--model-path", "/no/such/model"], {}, "--model-path: no config.json in /no/such/model"),
-    (["--resume"], {}, "--resume needs --save-every"),
+    (["--eval-sequences", "0"], {}, "--eval-sequences must be >= 1"),
+    (["--max-steps", "10"], {}, "--warmup must be less than --max-steps 10"),
     (["--cpu-offload"], {"COURSE_DEVICE": "cpu"}, "--cpu-offload needs a GPU"),
     (["--preset", "llama-70b"], {}, "invalid choice: 'llama-70b'"),
 ])
@@ -69,7 +70,7 @@ def test_resume_from_the_last_step(tmp_path):
     """A job requeued after its last checkpoint (at the last step) resumes, trains nothing,
     and exports; no other run reaches that branch."""
     args = ["--data-dir", tmp_path / "data", "--out", tmp_path / "run", "--vocab-size", "300",
-            "--seq-len", "32", "--batch-size", "4", "--micro-batch", "4", "--max-steps", "2",
+            "--seq-len", "32", "--batch-size", "4", "--micro-batch", "4", "--max-steps", "2", "--warmup", "1",
             "--eval-every", "2", "--save-every", "2", "--no-progress"]
     run_ok(1, SCRIPT, *args, timeout=120)
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -94,5 +95,5 @@ def test_notebook_at_three_processes(tmp_path):
     text = json.dumps(nbformat.read(out, as_version=4).cells)
     for line in ["held-out loss falls below the unigram baseline by more than 0.3 nats: True",
                  "1 process == 3 processes at every step before the preemption",
-                 "the 3-process run, every loss within 0.001: True; every held-out loss: True"]:
+                 "the 3-process run, every loss within 0.005: True; every held-out loss: True"]:
         assert line in text, line

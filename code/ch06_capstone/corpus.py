@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 EOS = "<|endoftext|>"  # between documents, so a packed sequence sees where one topic ends
-FORMAT = 1  # bump when the way the cache is built changes
+FORMAT = 2  # bump when the way the cache is built changes
 
 
 def documents(files=None) -> list[str]:
@@ -89,7 +89,7 @@ def prepare(data_dir: str | os.PathLike, vocab_size: int, seq_len: int, eval_eve
     torch.save(seqs[held].clone(), tmp / "heldout.pt")
     train, heldout = seqs[~held], seqs[held]
     facts = {"documents": len(docs), "characters": sum(map(len, docs)), "tokens": len(stream),
-             "vocab_size": len(tokenizer), "seq_len": seq_len,
+             "vocab_size": len(tokenizer), "eos_id": eos, "seq_len": seq_len,
              "train_sequences": len(train), "heldout_sequences": len(heldout),
              "unigram_loss": unigram_loss(train, heldout, len(tokenizer))}
     (tmp / "facts.json").write_text(json.dumps(facts, indent=1))

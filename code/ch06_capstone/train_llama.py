@@ -21,6 +21,7 @@ What it writes to --out: metrics.jsonl (one line per step and per evaluation), c
 hf/ (the export), and with --tensorboard the same metrics as TensorBoard events.
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -59,9 +60,10 @@ PRESETS = {
 }
 # Dense bf16 tensor-core peaks (no 2:4 sparsity) from the vendors' datasheets, FLOP/s per GPU;
 # the first name contained in torch.cuda.get_device_name() wins. Others: --peak-tflops.
-PEAK_BF16_FLOPS = {"H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12,
-                   "GH200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12,
-                   "L4": 121e12, "A10": 125e12, "MI300X": 1307e12}
+PEAK_BF16_FLOPS = {"H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
+                   "H200 NVL": 835e12, "H200": 989e12, "GH200": 989e12, "B200": 2250e12,
+                   "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
+                   "A10": 125e12, "MI300X": 1307e12}
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 g = p.add_argument_group("model")
@@ -95,6 +97,9 @@ g.add_argument("--batch-size", type=int, metavar="N", default=16,
 g.add_argument("--micro-batch", type=int, metavar="N", default=8,
                help="sequences per forward, per rank (default %(default)s); "
                     "accumulation steps = batch-size / (micro-batch x ranks)")
+g.add_argument("--sync-every-microbatch", action="store_true",
+               help="reduce-scatter gradients after every micro-batch: more communication, but "
+                    "no unsharded gradients of the whole model kept between micro-batches")
 g.add_argument("--max-steps", type=int, metavar="N",
                help="optimizer steps to train (default: --epochs passes over the data)")
 g.add_argument("--epochs", type=float, default=1.0, help="(default %(default)s)")
@@ -115,12 +120,14 @@ g.add_argument("--out", metavar="DIR", default="build/ch06/run",
                help="metrics, checkpoints and the export go here (default %(default)s)")
 g.add_argument("--eval-every", type=int, metavar="STEPS", default=50,
                help="steps between held-out evaluations (default %(default)s)")
+g.add_argument("--eval-sequences", type=int, metavar="N",
+               help="evaluate on the first N held-out sequences only (default: all)")
 g.add_argument("--save-every", type=int, metavar="STEPS", default=0,
-               help="steps between checkpoints (default 0: none)")
+               help="steps between checkpoints (default 0: only when stopped by a signal)")
 g.add_argument("--keep", type=int, metavar="N", default=2,
                help="checkpoints to keep (default %(default)s)")
 g.add_argument("--resume", action="store_true",
-               help="continue from the newest good checkpoint in OUT/checkpoints")
+               help="continue from the newest good checkpoint in OUT/checkpoints (if any)")
 g.add_argument("--no-export", action="store_true", help="skip the Hugging Face export at the end")
 g.add_argument("--tensorboard", action="store_true",
                help="also log to OUT/tensorboard/ (needs the tensorboard package)")
@@ -147,8 +154,10 @@ if args.text and (missing := [f for f in args.text if not os.path.isfile(f)]):
     p.error(f"--text: no such file {missing[0]}")
 if args.model_path and not os.path.isfile(os.path.join(args.model_path, "config.json")):
     p.error(f"--model-path: no config.json in {args.model_path}")
-if args.resume and not args.save_every:
-    p.error("--resume needs --save-every (and the same --out as the run it continues)")
+if args.max_steps is not None and not 0 <= args.warmup < args.max_steps:
+    p.error(f"--warmup must be less than --max-steps {args.max_steps} (else no decay)")
+if args.eval_sequences is not None and args.eval_sequences < 1:
+    p.error("--eval-sequences must be >= 1")
 on_gpu = torch.cuda.is_available() and os.environ.get("COURSE_DEVICE", "") != "cpu"
 if args.cpu_offload and not on_gpu:
     p.error("--cpu-offload needs a GPU: FSDP2's CPUOffloadPolicy pins host memory for "
@@ -161,7 +170,7 @@ if args.tensorboard:
                 "metrics.jsonl holds the same numbers")
 
 env = setup(args.timeout or (None if args.preset == "cpu-tiny" and not args.model_path
-                             else 1800))
+                             else 1800), cpu_collectives=args.cpu_offload)
 out = Path(args.out)
 bf16 = args.precision == "bf16" or (args.precision == "auto" and env.device.type == "cuda")
 accum = args.batch_size // (env.world_size * args.micro_batch)  # micro-batches per step
@@ -179,6 +188,7 @@ folder = corpus.prepare(args.data_dir, args.vocab_size, args.seq_len, tokenizer=
                         files=args.text)
 train_data, heldout = corpus.load(folder)
 facts = corpus.facts(folder)
+heldout = heldout[:args.eval_sequences]
 steps_per_epoch = len(train_data) // args.batch_size
 if steps_per_epoch == 0:
     raise SystemExit(f"train_llama.py: --batch-size {args.batch_size} is more than the "
@@ -187,6 +197,15 @@ if len(heldout) == 0:
     raise SystemExit(f"train_llama.py: no held-out sequences at --seq-len {args.seq_len} (the "
                      f"text has {facts['tokens']} tokens; every 20th sequence is held out)")
 max_steps = args.max_steps or max(1, round(args.epochs * steps_per_epoch))
+if args.warmup >= max_steps:
+    raise SystemExit(f"train_llama.py: --warmup {args.warmup} leaves no decay in {max_steps} "
+                     f"steps; use a smaller --warmup")
+
+
+@functools.lru_cache(maxsize=1)
+def permutation(epoch: int) -> torch.Tensor:
+    return torch.randperm(len(train_data), generator=torch.Generator().manual_seed(
+        args.seed * 100_003 + epoch))
 
 
 def batch_of(step: int) -> torch.Tensor:
@@ -194,9 +213,7 @@ def batch_of(step: int) -> torch.Tensor:
     for every world size) cut into global batches, and each global batch into one slice per
     rank. Depends on nothing but the step, so a resumed run reads exactly what it would have."""
     epoch, i = divmod(step, steps_per_epoch)
-    order = torch.randperm(len(train_data), generator=torch.Generator().manual_seed(
-        args.seed * 100_003 + epoch))
-    ids = order[i * args.batch_size:(i + 1) * args.batch_size].view(env.world_size, -1)[env.rank]
+    ids = permutation(epoch)[i * args.batch_size:(i + 1) * args.batch_size].view(env.world_size, -1)[env.rank]
     return train_data[ids].long()
 
 
@@ -209,8 +226,10 @@ hf_logging.disable_progress_bar()  # rank 0's own bar is enough
 if args.model_path:
     config = AutoConfig.from_pretrained(args.model_path)
 else:
+    eos = facts["eos_id"]  # the tokenizer's end-of-text: generate() stops there, not at id 2
     config = LlamaConfig(vocab_size=facts["vocab_size"], max_position_embeddings=args.seq_len,
-                         rms_norm_eps=1e-5, **PRESETS[args.preset])
+                         rms_norm_eps=1e-5, bos_token_id=eos, eos_token_id=eos,
+                         pad_token_id=eos, **PRESETS[args.preset])
 full_state = {}
 if env.rank == 0:  # the only full copy, in host memory: any world size starts from these weights
     if args.model_path:
@@ -237,7 +256,7 @@ set_model_state_dict(model, full_state, options=StateDictOptions(  # rank 0 send
 # to_empty left the buffers that no state dict holds uninitialised: the rotary embedding's
 # inv_freq (chapter 04's trap). Build that module again, from the config.
 model.model.rotary_emb = type(model.model.rotary_emb)(config).to(env.device)
-del full_state
+full = full_state = None  # rank 0's full copy is not needed any more: free its host memory
 
 # AdamW without weight decay on norms and biases (1-D tensors), as in GPT-2/Llama recipes
 decay = [q for q in model.parameters() if q.ndim >= 2]
@@ -302,7 +321,7 @@ class Progress:
         self.step, self.tokens = 0, 0
         self.run = {"--batch-size": args.batch_size, "--seq-len": args.seq_len,
                     "--max-steps": max_steps, "--lr": args.lr, "--min-lr": args.min_lr,
-                    "--warmup": args.warmup, "--seed": args.seed, "vocab": facts["vocab_size"]}
+                    "--warmup": args.warmup, "--seed": args.seed, "data": folder.name}
 
     def state_dict(self):
         return {"step": self.step, "tokens": self.tokens, "run": dict(self.run)}  # copies
@@ -316,7 +335,7 @@ class Progress:
 
 progress = Progress()
 state = {"app": AppState(model, optimizer), "progress": progress}
-ckpt = CheckpointDir(out / "checkpoints", keep=args.keep) if args.save_every else None
+ckpt = CheckpointDir(out / "checkpoints", keep=args.keep)  # on a signal, saved in any case
 metrics_path = out / "metrics.jsonl"
 if args.resume and (start := ckpt.latest()):
     dcp.load(state, checkpoint_id=start)  # each rank reads the pieces of its own shards
@@ -383,8 +402,10 @@ while progress.step < max_steps:
     tokens = batch_of(progress.step).to(env.device)
     loss_sum = torch.zeros((), device=env.device)
     for i, x in enumerate(tokens.split(args.micro_batch)):
-        # reduce-scatter the gradients only after the last micro-batch (chapter 04)
-        model.set_requires_gradient_sync(i == accum - 1)
+        # reduce-scatter the gradients only after the last micro-batch (chapter 04). Until then
+        # every rank holds unsharded fp32 gradients of the whole model (4 bytes x parameters);
+        # --sync-every-microbatch trades that memory for a reduce-scatter per micro-batch.
+        model.set_requires_gradient_sync(args.sync_every_microbatch or i == accum - 1)
         loss = model(input_ids=x, labels=x).loss / accum  # mean over this rank's share
         loss.backward()
         loss_sum += loss.detach()
@@ -424,7 +445,7 @@ while progress.step < max_steps:
         bar.set_postfix({"loss": f"{loss:.3f}", "lr": f"{lr:.2e}", "gnorm": f"{row['grad_norm']:.2f}",
                          "tok/s": f"{row['tokens_per_s']:.0f}",
                          "mfu": f"{row['mfu']:.1%}" if "mfu" in row else "n/a"}, refresh=False)
-    if ckpt and (progress.step % args.save_every == 0 or stop):
+    if stop or (args.save_every and progress.step % args.save_every == 0):
         save()
     if stop:
         print0(f"stopped by {stop_signal[0] if stop_signal else 'a signal on another rank'} "

@@ -47,8 +47,12 @@ def pick_device(local_rank: int = 0) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def setup(timeout_s: float | None = None) -> DistEnv:
-    """Join the process group that torchrun described in our environment variables."""
+def setup(timeout_s: float | None = None, cpu_collectives: bool = False) -> DistEnv:
+    """Join the process group that torchrun described in our environment variables.
+
+    `cpu_collectives=True` on a GPU also gives the group a gloo backend for CPU tensors
+    ("cuda:nccl,cpu:gloo"): FSDP2 with CPUOffloadPolicy keeps gradient shards on the CPU, and
+    clip_grad_norm_ all-reduces their norm there (pytorch/pytorch#148532)."""
     if "RANK" not in os.environ:
         script = Path(sys.argv[0]).resolve()
         where = script.relative_to(CODE) if script.is_relative_to(CODE) else script
@@ -59,6 +63,8 @@ def setup(timeout_s: float | None = None) -> DistEnv:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timeout_s or float(os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    if cpu_collectives and backend == "nccl":
+        backend = "cuda:nccl,cpu:gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout),
                             device_id=device if device.type == "cuda" else None)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)

@@ -99,7 +99,11 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
 
 def _stop_when(proc: subprocess.Popen, predicate) -> None:
     while proc.poll() is None:
-        if predicate():
+        try:
+            due = predicate()
+        except Exception:  # e.g. a file being written: ask again at the next poll
+            due = False
+        if due:
             proc.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
             return
         time.sleep(0.2)
@@ -110,12 +114,13 @@ _STORE_GONE = re.compile(r"^\[W[^\n]*TCPStore[^\n]*Connection was likely closed[
                          r"(?:(?:Exception raised from|frame #|<omitting)[^\n]*\n|\n)*", re.M)
 
 
-def launch_nodes(nnodes: int, nproc: int, script: str, *args) -> None:
+def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 600) -> None:
     """Rehearse a multi-node launch on this machine: `nnodes` launchers, each with NPROC
     processes, started at once with NNODES and RDZV_ENDPOINT=127.0.0.1:<a free port>, as each
     node of a cluster would run it. torchrun's c10d rendezvous assigns the ranks. Prints each
     "node"'s output once all are done (node order, so it reads the same every time) and raises
-    CalledProcessError if any failed."""
+    CalledProcessError if any failed; after `timeout` seconds, stops them all and raises
+    TimeoutExpired (a "node" that never joins would otherwise keep the others waiting)."""
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -128,7 +133,13 @@ def launch_nodes(nnodes: int, nproc: int, script: str, *args) -> None:
            "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": f"rehearsal{port}"}
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=env) for _ in range(nnodes)]
-    outputs = [p.communicate()[0] for p in procs]
+    deadline = time.monotonic() + timeout
+    try:
+        outputs = [p.communicate(timeout=max(1, deadline - time.monotonic()))[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
     for node, (p, out) in enumerate(zip(procs, outputs)):
         shown = _STORE_GONE.sub("(torchrun at exit: the rendezvous store, hosted by the other "
                                 "node's torchrun, had closed first; a harmless race at shutdown, "

@@ -2,7 +2,7 @@
 
     python -m distkit.torchrun --log-dir RUN_DIR --tee 3 [TORCHRUN OPTIONS] SCRIPT [ARGS...]
 
-takes torchrun's own arguments and differs from `torchrun` in three ways:
+takes torchrun's own arguments and differs from `torchrun` in four ways:
 - the console shows each rank's output as the rank printed it: `--tee 3` keeps a copy of every
   rank's stdout/stderr under RUN_DIR, but torchrun would also tag each console line "[default0]:";
 - torchrun's own log lines (closing signals, "failed (exitcode: 1)") go to RUN_DIR/torchrun.log;
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except SignalException as e:  # SIGTERM & co. (a preemption): torchrun passed it on
         print(f"run_w_torchrun.sh: torchrun received {e.sigval.name}, sent it to the ranks and "
-              f"waited for them to exit (up to 30 s, then SIGKILL)", file=console_err, flush=True)
+              f"waited for them to exit (up to {args.shutdown_timeout} s, then SIGKILL)",
+              file=console_err, flush=True)
         return 128 + e.sigval  # the shell's convention for "ended by a signal"
     finally:
         sys.stdout, sys.stderr = sys.stdout.stream, sys.stderr.stream
