@@ -41,7 +41,7 @@ def _shown(arg) -> str:
 
 def launch(nproc: int, script: str, *args, ranks: str | None = None,
            env: dict | None = None, expect_failure: bool = False,
-           short_tracebacks: bool = False, stop_when=None) -> int:
+           short_tracebacks: bool = False, stop_when=None) -> int | None:
     """Run `code/run_w_torchrun.sh NPROC SCRIPT ARGS...` and stream its output.
 
     Raises CalledProcessError when the launch fails, so the notebook cell fails too (a plain
@@ -52,8 +52,9 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     runs where a rank fails on purpose and the group carries on (torchrun's restarts).
     `stop_when` (a function, polled 5 times a second) sends torchrun SIGTERM once it returns
     True, as a cluster does when it preempts a job; the launch may then end with torchrun's
-    "ended by SIGTERM" status (143) without raising. Returns the launcher's exit status; the
-    output is already on screen, and results come back as JSON files.
+    "ended by SIGTERM" status (143) without raising, and the exit status is returned. Otherwise
+    returns nothing (a cell ending with a launch shows only its output): the output is already
+    on screen, and results come back as JSON files.
     """
     cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
     launch.count += 1
@@ -94,7 +95,7 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
               + f"=> failed with exit status {status}, as expected")
     elif status and not (stop_when is not None and status == 128 + signal.SIGTERM):
         raise subprocess.CalledProcessError(status, cmd, "".join(lines))
-    return status
+    return status if stop_when is not None else None
 
 
 def _stop_when(proc: subprocess.Popen, predicate) -> None:
