@@ -1,8 +1,9 @@
 """distkit.memory: the ZeRO paper's numbers, and the formulas' internal consistency."""
 import pytest
 
-from distkit.memory import (FP32_ADAMW, GB, MIXED_ADAMW, activation_bytes_per_layer, from_config,
-                            communication_bytes, llama_params, model_state_bytes, training_bytes)
+from distkit.memory import (FP32_ADAMW, GB, MIXED_ADAMW, activation_bytes_per_layer,
+                            communication_bytes, flops_per_token, from_config, llama_params,
+                            matmul_params, model_state_bytes, training_bytes)
 
 PSI, N = 7.5e9, 64  # ZeRO paper, Figure 1: a 7.5B-parameter model on 64 GPUs, K = 12
 
@@ -62,6 +63,21 @@ def test_llama_params_match_transformers():
         counted = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
     assert llama_params(100, 64, 96, 3, 8, 2) == counted
     assert from_config(config) == {"num_params": counted, "layers": 3, "hidden": 64, "heads": 8}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_matmul_params_and_flops_per_token(tied):
+    """Every linear layer's weight, the LM head included even when tied to the embedding; and
+    6 per matmul weight plus 12 L H Q T (here 12 x 3 layers x 8 heads x 8 x 16 positions)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=tied)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    counted = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert matmul_params(config) == counted == 3 * (2 * 64 * 64 + 2 * 64 * 16 + 3 * 64 * 96) + 6400
+    assert flops_per_token(config, 16) == 6 * counted + 12 * 3 * 8 * 8 * 16
 
 
 def test_calculator_adds_activations_to_the_model_states():

@@ -101,6 +101,17 @@ def prepare(data_dir: str | os.PathLike, vocab_size: int, seq_len: int, eval_eve
     return folder
 
 
+def prepare_on_ranks(local_rank: int, *args, **kwargs) -> Path:
+    """prepare() in a process group: the first rank of each node builds (or finds) the cache
+    while the others wait, then every rank takes global rank 0's folder. The text is read and
+    hashed once per node, not once per rank. A collective: every rank calls it."""
+    import torch.distributed as dist
+    folder = [prepare(*args, **kwargs) if local_rank == 0 else None]
+    dist.barrier()
+    dist.broadcast_object_list(folder, src=0)
+    return Path(folder[0])
+
+
 def unigram_loss(train: torch.Tensor, heldout: torch.Tensor, vocab_size: int) -> float:
     """The baseline a language model must beat: the cross-entropy (nats per token) on the
     held-out tokens of a model that ignores context and predicts each token with its frequency

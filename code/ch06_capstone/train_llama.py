@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # corpus.py, next to this file
 import corpus  # noqa: E402
-from distkit import print0, setup, teardown  # noqa: E402
+from distkit import memory, print0, setup, teardown  # noqa: E402
 from distkit.ckpt import AppState, CheckpointDir  # noqa: E402
 
 # Llama architectures (transformers LlamaConfig fields); the vocabulary comes from the tokenizer.
@@ -180,12 +180,8 @@ tokenizer = None
 if args.model_path:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-if env.local_rank == 0:
-    corpus.prepare(args.data_dir, args.vocab_size, args.seq_len, tokenizer=tokenizer,
-                   files=args.text)
-dist.barrier()
-folder = corpus.prepare(args.data_dir, args.vocab_size, args.seq_len, tokenizer=tokenizer,
-                        files=args.text)
+folder = corpus.prepare_on_ranks(env.local_rank, args.data_dir, args.vocab_size, args.seq_len,
+                                 tokenizer=tokenizer, files=args.text)
 train_data, heldout = corpus.load(folder)
 facts = corpus.facts(folder)
 heldout = heldout[:args.eval_sequences]
@@ -275,12 +271,9 @@ def lr_at(step: int) -> float:
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(1., progress)))
 
 
-# ---- what a step costs: FLOPs per token for MFU (PaLM's appendix B): 6 per weight that a
-# token meets in a matmul (forward 2, backward 4), plus attention's scores and weighted sum
-matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-head_dim = config.hidden_size // config.num_attention_heads
-flops_per_token = (6 * matmul_params + 12 * config.num_hidden_layers
-                   * config.num_attention_heads * head_dim * args.seq_len)
+# ---- what a step costs, for MFU: 6 FLOPs per matmul weight and token (forward 2, backward 4)
+# plus attention's, 12 L H Q T (PaLM's appendix B; distkit.memory)
+flops_per_token = memory.flops_per_token(config, args.seq_len)
 peak = None
 if env.device.type == "cuda":
     name = torch.cuda.get_device_name()

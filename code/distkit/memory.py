@@ -10,6 +10,8 @@ Sources:
   and Figure 1 (section 5), communication volume (section 7).
 - [Korthikanti] Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
   Models", MLSys 2023 (arXiv:2205.05198, 2022), section 4 and Table 2: activation memory per layer.
+- [PaLM] Chowdhery et al., "PaLM: Scaling Language Modeling with Pathways", 2022
+  (arXiv:2204.02311), appendix B: model FLOPs per token, for MFU.
 """
 from __future__ import annotations
 
@@ -150,6 +152,26 @@ def llama_params(vocab: int, hidden: int, intermediate: int, layers: int, heads:
     layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * intermediate + 2 * hidden
     embeddings = vocab * hidden * (1 if tie_embeddings else 2)
     return layers * layer + embeddings + hidden
+
+
+def matmul_params(config) -> int:
+    """Weights of a Llama-style model that a token meets in a matrix multiply: every linear
+    layer (q, k, v, o, the MLP's three) and the LM head, tied or not; the embedding lookup and
+    the norms are no matmuls. `config` as in from_config."""
+    c = SimpleNamespace(**config) if isinstance(config, dict) else config
+    h, kv = c.hidden_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    layer = 2 * h * h + 2 * h * kv + 3 * h * c.intermediate_size
+    return c.num_hidden_layers * layer + c.vocab_size * h
+
+
+def flops_per_token(config, seq_len: int) -> int:
+    """Model FLOPs of one training token ([PaLM] appendix B): 6 per matmul weight (2 in
+    forward, 4 in backward) plus attention's scores and weighted sum, 12 L H Q T, counted over the
+    full T x T (as is conventional; a causal model needs half). MFU = this x tokens/s / peak."""
+    c = SimpleNamespace(**config) if isinstance(config, dict) else config
+    head_dim = c.hidden_size // c.num_attention_heads
+    return (6 * matmul_params(config)
+            + 12 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len)
 
 
 def from_config(config) -> dict:

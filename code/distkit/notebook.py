@@ -194,6 +194,16 @@ def source_of(script: str, name: str) -> str:
     raise LookupError(f"no top-level function or class {name!r} in {script}")
 
 
+def show_lines(script: str, first: str, last: str):
+    """The lines of a script in code/ from the one containing `first` up to (without) the next
+    one containing `last`, as a highlighted code block: a part of a script that is no function."""
+    from IPython.display import Code
+    lines = (CODE / script).read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if first in ln)
+    end = next(i for i, ln in enumerate(lines) if i > start and last in ln)
+    return Code("\n".join(lines[start:end]), language="python")
+
+
 def constant_of(script: str, name: str):
     """The value of a top-level constant (a literal: dict, list, number...) in a script in code/,
     read without running the script."""

@@ -62,10 +62,8 @@ if args.micro_batch < 1:
     parser.error("need --micro-batch >= 1")
 
 env = setup()
-if env.local_rank == 0:  # the first rank of each node builds the cache, the others read it
-    corpus.prepare(args.data_dir, VOCAB_SIZE, SEQ_LEN)
-dist.barrier()
-folder = corpus.prepare(args.data_dir, VOCAB_SIZE, SEQ_LEN)
+# built by the first rank of each node, read by the others
+folder = corpus.prepare_on_ranks(env.local_rank, args.data_dir, VOCAB_SIZE, SEQ_LEN)
 _, heldout = corpus.load(folder)  # int32, (sequences, SEQ_LEN): every rank holds all of them
 # The first 50 (their number varies a little with the Python version, whose docs are the text):
 # 50 on 3 ranks gives shares of 17, 17 and 16 on every machine.
