@@ -41,7 +41,8 @@ def _shown(arg) -> str:
 
 def launch(nproc: int, script: str, *args, ranks: str | None = None,
            env: dict | None = None, expect_failure: bool = False,
-           short_tracebacks: bool = False, stop_when=None) -> int | None:
+           short_tracebacks: bool = False, stop_when=None,
+           stacks_when: str | None = None) -> int | None:
     """Run `code/run_w_torchrun.sh NPROC SCRIPT ARGS...` and stream its output.
 
     Raises CalledProcessError when the launch fails, so the notebook cell fails too (a plain
@@ -55,6 +56,9 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     "ended by SIGTERM" status (143) without raising, and the exit status is returned. Otherwise
     returns nothing (a cell ending with a launch shows only its output): the output is already
     on screen, and results come back as JSON files.
+    `stacks_when` (a regular expression): once a line of output matches it, wait a second, then
+    show every rank's Python stack (`py-spy dump`, see rank_stacks), as you would for a run that
+    seems to hang; they are kept in `launch.stacks` (rank -> frames, innermost first).
     """
     cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
     launch.count += 1
@@ -69,8 +73,12 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     if stop_when is not None:
         threading.Thread(target=_stop_when, args=(proc, stop_when), daemon=True).start()
     lines, in_traceback = [], False
+    launch.stacks = {}
     for line in proc.stdout:  # stream, so long runs show progress
         lines.append(line)
+        if stacks_when and re.search(stacks_when, line) and not launch.stacks:
+            launch.stacks = {"pending": True}
+            threading.Thread(target=_show_stacks, args=(proc.pid,), daemon=True).start()
         if short_tracebacks:
             text = re.sub(r"^\[rank\d+\]: ", "", line)
             if text.startswith("Traceback (most recent call last)"):
@@ -108,6 +116,39 @@ def _stop_when(proc: subprocess.Popen, predicate) -> None:
             proc.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
             return
         time.sleep(0.2)
+
+
+def _show_stacks(torchrun_pid: int) -> None:
+    time.sleep(1.0)  # let the ranks get where they wait
+    launch.stacks = rank_stacks(torchrun_pid)
+    for rank, frames in launch.stacks.items():
+        print(f"--- rank {rank}, innermost call first ---\n" + "\n".join(frames), flush=True)
+
+
+def rank_stacks(torchrun_pid: int) -> dict:
+    """Every rank's Python stack, read from outside by py-spy (`py-spy dump --pid PID` for each
+    process torchrun started): rank -> frames as "function (file:line)", innermost first, paths
+    relative to the repo or to site-packages. py-spy reads another process's memory, which
+    needs ptrace permission: on Linux the same user may (unless kernel.yama.ptrace_scope > 0 or
+    a container drops the capability), on macOS only root; without it, the error is the frames.
+    """
+    import psutil
+    py_spy = Path(sys.executable).with_name("py-spy")  # installed beside this Python (make setup)
+    stacks = {}
+    for child in psutil.Process(torchrun_pid).children():
+        try:
+            rank = int(child.environ().get("RANK", -1))
+            out = subprocess.run([str(py_spy) if py_spy.exists() else "py-spy", "dump", "--pid", str(child.pid)], capture_output=True,
+                                 text=True, timeout=20)
+        except (psutil.Error, OSError, subprocess.TimeoutExpired) as e:
+            stacks[child.pid] = [f"py-spy failed: {e}"]
+            continue
+        if out.returncode:
+            stacks[rank] = [f"py-spy failed: {(out.stderr or out.stdout).strip().splitlines()[-1:]}"]
+            continue
+        frames = [ln.strip() for ln in out.stdout.splitlines() if ln.startswith("    ")]
+        stacks[rank] = [re.sub(r"\(" + re.escape(str(ROOT)) + "/", "(", f) for f in frames]
+    return dict(sorted(stacks.items()))
 
 
 # torchrun's warning when the store it polls at exit is already gone, and the stack trace after it
@@ -151,6 +192,7 @@ def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 6
             raise subprocess.CalledProcessError(p.returncode, cmd, out)
 
 
+launch.stacks = {}
 launch.count = 0  # launches so far in this kernel: a notebook's last cell reports them
 
 

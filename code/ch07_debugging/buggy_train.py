@@ -1,0 +1,135 @@
+"""A small data-parallel training loop with three classic bugs, each switched on by --bug.
+
+    code/run_w_torchrun.sh 2 ch07_debugging/buggy_train.py              # no bug: it trains
+    code/run_w_torchrun.sh 2 ch07_debugging/buggy_train.py --bug save   # hangs until the timeout
+    TORCH_DISTRIBUTED_DEBUG=DETAIL code/run_w_torchrun.sh 2 ch07_debugging/buggy_train.py --bug gather
+    code/run_w_torchrun.sh 2 ch07_debugging/buggy_train.py --bug crash
+
+save:   only rank 0 saves the checkpoint, and saving ends with a barrier ("so that no rank reads a
+        half-written file"). Rank 0 waits in the barrier, rank 1 in the next step's gradient
+        all-reduce: two different collectives, which meet nobody. Both wait until the process
+        group's timeout. (FSDP's state_dict() called on rank 0 only is the same bug: it gathers.)
+gather: at evaluation every rank all-gathers its predictions, but the ranks hold different
+        numbers of them (15 samples on 2 ranks: 8 and 7). Shapes differ between ranks.
+crash:  rank 1 meets a bad sample at step 3 and raises; torchrun stops the other ranks.
+
+The training itself is hand-rolled data parallelism (chapter 01): each rank computes the
+gradient of its shard of the batch, one all-reduce averages them, every rank steps.
+--fr-dir DIR turns on the flight recorder: each process group keeps its last collectives in a
+ring buffer (TORCH_FR_BUFFER_SIZE, read when the group is created); when a collective fails or
+torchrun stops the rank, the rank writes the buffer to DIR/rank_R for torch's analyser
+(`python -m torch.distributed.flight_recorder.fr_trace DIR`).
+"""
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from distkit import print0, seed_everything, setup, teardown
+
+BUGS = ("none", "save", "gather", "crash")
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--bug", default="none", choices=BUGS)
+parser.add_argument("--steps", type=int, default=6)
+parser.add_argument("--save-at", type=int, default=2, help="step after which to save")
+parser.add_argument("--timeout", type=float, default=5.0,
+                    help="process-group timeout, seconds (torch's default: 30 min for gloo)")
+parser.add_argument("--fr-dir", type=Path, help="record collectives; dump them here on failure")
+parser.add_argument("--out", type=Path, default=Path("build/ch07/buggy_train"),
+                    help="checkpoint folder")
+args = parser.parse_args()
+if not 0 < args.save_at < args.steps:
+    parser.error(f"--save-at must be between 1 and --steps - 1, got {args.save_at}")
+if args.timeout <= 0:
+    parser.error(f"--timeout must be positive, got {args.timeout}")
+if args.fr_dir:  # before the process group exists: the buffer size is read at its creation
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "100")
+
+
+def dump_flight_record(*_):
+    """This rank's flight-recorder buffer (pickle), written where fr_trace looks for it."""
+    args.fr_dir.mkdir(parents=True, exist_ok=True)
+    (args.fr_dir / f"rank_{dist.get_rank()}").write_bytes(
+        torch._C._distributed_c10d._dump_fr_trace())
+    if _:  # called as a signal handler: torchrun stops us because another rank failed
+        os._exit(128 + signal.SIGTERM)
+
+
+def average_gradients(model):
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    dist.all_reduce(flat)  # one all-reduce of all gradients (a single bucket)
+    flat /= dist.get_world_size()
+    for p, g in zip(model.parameters(), flat.split([p.numel() for p in model.parameters()])):
+        p.grad.copy_(g.view_as(p))
+
+
+def save_checkpoint(model, path):
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), path)
+    dist.barrier()  # no rank goes on (and maybe reads it) before the file is complete
+
+
+def evaluate(model, x, y):
+    """Every rank predicts its shard of the held-out set; rank 0 gets all the predictions."""
+    x, y = x[env.rank::env.world_size], y[env.rank::env.world_size]  # 8 and 7 of 15
+    pred = model(x).argmax(-1)
+    if args.bug != "gather":  # the fix: pad every shard to the longest, then drop the padding
+        n = torch.tensor([len(pred)], device=env.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        pred, y = F.pad(pred, (0, n.item() - len(pred)), value=-1), \
+            F.pad(y, (0, n.item() - len(y)), value=-1)
+    preds = [torch.empty_like(pred) for _ in range(env.world_size)]
+    ys = [torch.empty_like(y) for _ in range(env.world_size)]
+    dist.all_gather(preds, pred)  # the bug: 8 values here, 7 on rank 1
+    dist.all_gather(ys, y)
+    pred, y = torch.cat(preds), torch.cat(ys)
+    return (pred == y)[y >= 0].float().mean().item()
+
+
+@record  # a failure's traceback goes into torchrun's error file (TORCHELASTIC_ERROR_FILE)
+def main():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(env.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(0)  # the same data on every rank; each takes its shard
+    x, x_val = torch.randn(64, 16, generator=g), torch.randn(15, 16, generator=g)
+    y, y_val = x[:, :4].argmax(-1), x_val[:, :4].argmax(-1)  # a rule to learn: which is largest
+    x, y, x_val, y_val = (t.to(env.device) for t in (x, y, x_val, y_val))
+    for step in range(1, args.steps + 1):
+        if args.bug == "crash" and env.rank == 1 and step == 3:
+            raise ValueError(f"bad sample at step {step}: label -1 is not a class")
+        xb, yb = x[env.rank::env.world_size], y[env.rank::env.world_size]
+        loss = F.cross_entropy(model(xb), yb)
+        optimizer.zero_grad()
+        loss.backward()
+        average_gradients(model)
+        optimizer.step()
+        dist.all_reduce(loss.detach_())  # every rank joins, rank 0 prints
+        print0(f"step {step}: loss {loss.item() / env.world_size:.2f}")
+        if step == args.save_at:
+            if args.bug == "save":
+                if env.rank == 0:  # the bug: only rank 0 calls the (collective) save
+                    save_checkpoint(model, args.out / "model.pt")
+            else:
+                save_checkpoint(model, args.out / "model.pt")
+    print0(f"held-out accuracy: {evaluate(model, x_val, y_val):.2f}")
+
+
+env = setup(timeout_s=args.timeout)
+seed_everything(0)
+if args.fr_dir:
+    signal.signal(signal.SIGTERM, dump_flight_record)
+try:
+    main()
+except Exception:
+    if args.fr_dir:
+        dump_flight_record()
+    raise
+teardown()
