@@ -214,6 +214,27 @@ def run_python(script: str, *args) -> None:
         raise subprocess.CalledProcessError(proc.returncode, cmd, "".join(lines))
 
 
+def run_failing(cmd: list, limit: float, hide: dict | None = None) -> None:
+    """Run a command that must fail (a raw `torchrun ...` shown as a learner would type it), for
+    at most `limit` seconds: show the command, the lines of its output that name an error, and
+    how it ended. Raises if it succeeds or is still running at `limit` (a demo of a failure may
+    not hang the notebook). `hide` replaces text in what is shown (e.g. a port: {"29517": "$PORT"})."""
+    def shown(text):
+        for old, new in (hide or {}).items():
+            text = text.replace(old, new)
+        return text
+    print("$", shown(shlex.join(map(_shown, cmd))), flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(CODE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit, cwd=ROOT)
+    if proc.returncode == 0:
+        raise AssertionError(f"expected {cmd[0]} to fail, but it succeeded")
+    errors = dict.fromkeys(ln for ln in (proc.stdout + proc.stderr).splitlines()
+                           if re.match(r"(\[rank\d+\]: )?[\w.]*(Error|Exception): ", ln))
+    print(shown("\n".join(errors)) + f"\n=> failed with exit status {proc.returncode} within "
+          f"{limit:g} s, as expected", flush=True)
+
+
 def diff(before: str | os.PathLike, after: str | os.PathLike, context: int = 3) -> str:
     """Unified diff of two scripts in code/: what the 'after' version adds to the 'before'."""
     a, b = (CODE / before).read_text().splitlines(), (CODE / after).read_text().splitlines()
