@@ -146,7 +146,8 @@ def rank_stacks(torchrun_pid: int) -> dict:
         if out.returncode:
             stacks[rank] = [f"py-spy failed: {(out.stderr or out.stdout).strip().splitlines()[-1:]}"]
             continue
-        frames = [ln.strip() for ln in out.stdout.splitlines() if ln.startswith("    ")]
+        text = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout)  # py-spy colours even into a pipe
+        frames = [ln.strip() for ln in text.splitlines() if ln.startswith("    ")]
         stacks[rank] = [re.sub(r"\(" + re.escape(str(ROOT)) + "/", "(", f) for f in frames]
     return dict(sorted(stacks.items()))
 
@@ -218,7 +219,9 @@ def run_failing(cmd: list, limit: float, hide: dict | None = None) -> None:
     """Run a command that must fail (a raw `torchrun ...` shown as a learner would type it), for
     at most `limit` seconds: show the command, the lines of its output that name an error, and
     how it ended. Raises if it succeeds or is still running at `limit` (a demo of a failure may
-    not hang the notebook). `hide` replaces text in what is shown (e.g. a port: {"29517": "$PORT"})."""
+    not hang the notebook). `hide` replaces text in what is shown (e.g. a port: {"29517": "$PORT"}).
+    A command starting with "torchrun" runs this Python's torchrun (python -m torch.distributed.run).
+    """
     def shown(text):
         for old, new in (hide or {}).items():
             text = text.replace(old, new)
@@ -226,7 +229,8 @@ def run_failing(cmd: list, limit: float, hide: dict | None = None) -> None:
     print("$", shown(shlex.join(map(_shown, cmd))), flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(CODE), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit, cwd=ROOT)
+    run = [sys.executable, "-m", "torch.distributed.run", *cmd[1:]] if cmd[0] == "torchrun" else cmd
+    proc = subprocess.run(run, capture_output=True, text=True, env=env, timeout=limit, cwd=ROOT)
     if proc.returncode == 0:
         raise AssertionError(f"expected {cmd[0]} to fail, but it succeeded")
     errors = dict.fromkeys(ln for ln in (proc.stdout + proc.stderr).splitlines()
