@@ -1,0 +1,82 @@
+"""Chapter 07's failure demos end within their limits, each with the error the notebook teaches.
+
+The notebook shows these runs with their output ignored (tracebacks, ports and timings differ
+from machine to machine); here the messages are asserted. Three launches run at once (~15 s on
+2 cores): the hang (with py-spy's stacks), the same bug under TORCH_DISTRIBUTED_DEBUG=DETAIL, and
+the uneven all-gather without DETAIL (gloo's own size check). The crash and the flight-recorder
+dumps are compared cells of the notebook.
+"""
+import subprocess
+import threading
+import time
+
+import pytest
+
+from conftest import CODE, LAUNCHER, launcher_env, run_in_process
+from distkit import notebook
+
+SCRIPT = "ch07_debugging/buggy_train.py"
+TIMEOUT = 5     # the process-group timeout the notebook uses
+LIMIT = 40      # seconds a failing launch may take, start-up and teardown included
+
+
+def test_bad_input(monkeypatch, capsys):
+    code, _, err = run_in_process(monkeypatch, capsys, SCRIPT, "--save-at", "0")
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        "buggy_train.py: error: --save-at must be between 1 and --steps - 1, got 0")
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("failures")
+    runs = {"detail-save": ({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, "save"),
+            "gloo-gather": ({}, "gather")}
+    started = time.monotonic()
+    procs = {name: subprocess.Popen(
+        [str(LAUNCHER), "2", SCRIPT, "--bug", bug, "--timeout", str(TIMEOUT), "--out", tmp],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launcher_env(env))
+        for name, (env, bug) in runs.items()}
+    hang = {}
+
+    def run_hang():  # as the notebook runs it: py-spy reads the stacks while the ranks wait
+        t0 = time.monotonic()
+        notebook.launch(2, SCRIPT, "--bug", "save", "--timeout", TIMEOUT, "--out", tmp,
+                        "--fr-dir", tmp / "fr", expect_failure=True, stacks_when=r"^step 2:")
+        hang.update(seconds=time.monotonic() - t0, stacks=notebook.launch.stacks)
+
+    thread = threading.Thread(target=run_hang)
+    thread.start()
+    results = {}
+    for name, p in procs.items():
+        out, _ = p.communicate(timeout=LIMIT * 2)
+        results[name] = (p.returncode, out, time.monotonic() - started)
+    thread.join(timeout=LIMIT * 2)
+    return results, hang, tmp
+
+
+def test_hang_times_out_with_the_stacks_showing_where(failures):
+    _, hang, tmp = failures
+    assert hang["seconds"] < LIMIT
+    stacks = hang["stacks"]
+    if any(frames[0].startswith("py-spy failed") for frames in stacks.values()):
+        pytest.skip(f"py-spy cannot read other processes here: {stacks}")
+    assert sorted(stacks) == [0, 1]
+    assert stacks[0][0].startswith("barrier (") and any("save_checkpoint" in f for f in stacks[0])
+    assert stacks[1][0].startswith("all_reduce (") and any("average_gradients" in f
+                                                            for f in stacks[1])
+    assert sorted(p.name for p in (tmp / "fr").iterdir()) == ["rank_0", "rank_1"]
+
+
+def test_detail_names_the_mismatch_at_once(failures):
+    status, out, seconds = failures[0]["detail-save"]
+    assert status != 0 and seconds < LIMIT
+    assert "Detected mismatch between collectives on ranks" in out
+    assert "OpType=BARRIER" in out and "OpType=ALLREDUCE" in out
+    assert "Timed out" not in out  # named before any timeout
+
+
+def test_gloo_catches_the_uneven_gather_by_aborting(failures):
+    status, out, seconds = failures[0]["gloo-gather"]
+    assert status != 0 and seconds < LIMIT
+    assert "Is there a distributed collective mismatch in your code?" in out
+    assert "killed by SIGABRT" in out  # the launcher's one-line report: the process aborted
