@@ -1,0 +1,123 @@
+"""Chapter 07's exercise: early stopping decided on the whole validation set stops every rank at
+the same step, with one process's loss; and the starter stops at its TODO.
+
+Budget: one launch of the solution (~4.5 s on 2 cores) and, at the same time, the starter as a
+plain-Python one-process group (the same code path up to its TODO, without a launch). --help and
+bad input run in this process: argparse stops the scripts before setup(). The bug itself is not
+launched here (it ends only at the process-group timeout); measured by hand with the starter's
+todo() line deleted and --timeout 10: rank 0 leaves the loop at step 20 and waits in
+all_gather_object, rank 1 waits in step 21's gradient all_reduce, both fail with gloo's "Timed
+out waiting 10000ms" (17.6 s for the launch, on a busy machine). A mean of the ranks' means
+(501 and 500 samples) misses one process's loss by 1.7e-4, far above the 1e-6 tolerance.
+"""
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import (check_same_options, check_starter, run_in_process, run_json,
+                      run_scripts_at_once)
+
+EARLY = "ch07_debugging/{}/ex07_early_stop.py"
+ONE_PROCESS = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}
+MARGIN = 1e-3  # every validation loss this far from --target: the stop steps are no float luck
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{"solution": (json, stdout), "starter": (status, stdout, stderr)}"""
+    tmp = tmp_path_factory.mktemp("ch07_ex")
+    with ThreadPoolExecutor() as pool:  # threads only wait for the subprocesses
+        solution = pool.submit(run_json, tmp, 2, EARLY.format("solutions"))
+        starter = pool.submit(run_scripts_at_once,
+                              {"starter": (EARLY.format("exercises"), [], ONE_PROCESS)})
+        return {"solution": solution.result(), "starter": starter.result()["starter"]}
+
+
+# --- the solution ---------------------------------------------------------------------------
+
+def test_every_rank_stops_at_the_same_step(runs):
+    res, _ = runs["solution"]
+    assert res["world_size"] == 2 and res["target"] == 0.35 and res["eval_every"] == 5
+    assert res["stopped"] == [35, 35] and res["same_step"] is True
+    assert res["same_loss"] is True and res["same_weights"] is True
+    h0, h1 = res["histories"]
+    assert [e["loss"] for e in h0] == [e["loss"] for e in h1]  # the same number on every rank
+    assert [e["step"] for e in h0] == list(range(5, 36, 5))
+    assert all(e["loss"] >= res["target"] for e in h0[:-1]) and h0[-1]["loss"] < res["target"]
+
+
+def test_loss_is_one_processes(runs):
+    res, _ = runs["solution"]
+    assert res["shards"] == [501, 500]  # unequal: a mean of the two means would miss
+    assert res["max_diff_one_process"] < res["tolerance"] == 1e-6
+    for e in res["histories"][0]:
+        assert abs(e["loss"] - e["one_process"]) < 1e-6
+
+
+def test_shards_alone_would_decide_differently(runs):
+    """The bug's premise: rank 0's shard (the easy classes) falls below the target 15 steps
+    before the whole set, rank 1's (the overlapping classes) not before the stop. Deciding on
+    its shard, rank 0 would leave the loop while rank 1 trains on: the hang."""
+    res, _ = runs["solution"]
+    (h0, h1), target = res["histories"], res["target"]
+    assert res["alone"] == [20, None]
+    at = [e["step"] for e in h0].index(20)
+    assert h0[at]["shard_loss"] < target <= h1[at]["shard_loss"]
+    # the whole set's loss lies between the shards' (a weighted mean of the two)
+    assert all(a["shard_loss"] < a["loss"] < b["shard_loss"] for a, b in zip(h0, h1))
+    losses = [e[k] for h in (h0, h1) for e in h for k in ("loss", "shard_loss")]
+    assert min(abs(v - target) for v in losses) > MARGIN
+
+
+def test_printed_losses_are_no_float_luck(runs):
+    """The table prints losses to 2 decimals, and the notebook compares it: each value lies far
+    (> 1e-5) from a rounding boundary, against float noise of 4e-8 measured between this CPU's
+    kernels and ATen's scalar ones."""
+    res, _ = runs["solution"]
+    values = [e[k] for h in res["histories"] for e in h for k in ("loss", "shard_loss")]
+    assert min(abs((v * 100) % 1 - 0.5) for v in values) / 100 > 1e-5
+
+
+def test_solution_prints_its_checks(runs):
+    res, out = runs["solution"]
+    lines = out.splitlines()
+    assert lines[0] == ("2 ranks; validation: 1001 samples stored class by class, contiguous "
+                        "shards of [501, 500]; stop when the loss < 0.35, checked every 5 steps")
+    assert len(lines) == 2 + 7 + 5
+    assert lines[-5:] == [
+        "every rank stopped at step 35: True",
+        "the ranks' validation losses are identical: True; weights too: True",
+        "validation loss == one process's, every check (max diff < 1e-06): True",
+        "[rank 0] deciding on its own shard it would stop at step 20",
+        "[rank 1] deciding on its own shard it would stop at no step up to 35"]
+
+
+# --- the starter ------------------------------------------------------------------------------
+
+def test_starter_stops_at_its_todo(runs):
+    """At the first validation, before any rank could stop: nothing can hang."""
+    status, out, err = runs["starter"]
+    assert status == 1, err
+    assert err.startswith(f"TODO(you) at code/{EARLY.format('exercises')}:")
+    assert err.strip().endswith("validation_loss(): the loss over every rank's shard, the same "
+                                "on every rank")
+    assert len(err.strip().splitlines()) == 1 and out == ""
+
+
+def test_starter_marks_its_todo():
+    check_starter("ch07_debugging", "ex07_early_stop.py", 1)
+
+
+# --- arguments: --help, bad input (in this process: argparse exits before setup) ---------------
+
+def test_starter_takes_the_solutions_arguments(monkeypatch, capsys):
+    check_same_options(monkeypatch, capsys, EARLY)
+
+
+@pytest.mark.parametrize("folder", ["solutions", "exercises"])
+def test_bad_input(monkeypatch, capsys, folder):
+    code, _, err = run_in_process(monkeypatch, capsys, EARLY.format(folder), "--eval-every", "0")
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        "ex07_early_stop.py: error: need --target > 0, --eval-every >= 1, --max-steps >= 1 "
+        "and --timeout > 0")
