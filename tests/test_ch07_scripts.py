@@ -6,13 +6,16 @@ from machine to machine); here the messages are asserted. Three launches run at 
 the uneven all-gather without DETAIL (gloo's own size check). The crash and the flight-recorder
 dumps are compared cells of the notebook.
 """
+import json
 import subprocess
+import sys
 import threading
 import time
 
+import nbformat
 import pytest
 
-from conftest import CODE, LAUNCHER, launcher_env, run_in_process
+from conftest import LAUNCHER, ROOT, launcher_env, run_in_process
 from distkit import notebook
 
 SCRIPT = "ch07_debugging/buggy_train.py"
@@ -80,3 +83,21 @@ def test_gloo_catches_the_uneven_gather_by_aborting(failures):
     assert status != 0 and seconds < LIMIT
     assert "Is there a distributed collective mismatch in your code?" in out
     assert "killed by SIGABRT" in out  # the launcher's one-line report: the process aborted
+
+
+@pytest.mark.second_nproc
+def test_notebook_at_three_processes(tmp_path):
+    """The chapter at N = 3: every failure still fails (the last rank's shard is still one
+    short), every fix still runs, the compared facts still hold."""
+    out = tmp_path / "out.ipynb"
+    proc = subprocess.run([sys.executable, "-m", "papermill",
+                           "notebooks/07_when_things_go_wrong.ipynb", str(out),
+                           "-p", "NPROC", "3", "--no-progress-bar"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=launcher_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = json.dumps(nbformat.read(out, as_version=4).cells)
+    for line in ["ranks agree on torch, cuda, nccl, python, gpus: True",
+                 "the ranks part at collective #5",
+                 "rank 1's error file: ValueError: bad sample at step 3"]:
+        assert line in text, line

@@ -10,7 +10,8 @@ save:   only rank 0 saves the checkpoint, and saving ends with a barrier ("so th
         all-reduce: two different collectives, which meet nobody. Both wait until the process
         group's timeout. (FSDP's state_dict() called on rank 0 only is the same bug: it gathers.)
 gather: at evaluation every rank all-gathers its predictions, but the ranks hold different
-        numbers of them (15 samples on 2 ranks: 8 and 7). Shapes differ between ranks.
+        numbers of them (8N - 1 held-out samples on N ranks: the last rank has 7, the others 8).
+        Shapes differ between ranks.
 crash:  rank 1 meets a bad sample at step 3 and raises; torchrun stops the other ranks.
 
 The training itself is hand-rolled data parallelism (chapter 01): each rank computes the
@@ -79,7 +80,7 @@ def save_checkpoint(model, path):
 
 def evaluate(model, x, y):
     """Every rank predicts its shard of the held-out set; rank 0 gets all the predictions."""
-    x, y = x[env.rank::env.world_size], y[env.rank::env.world_size]  # 8 and 7 of 15
+    x, y = x[env.rank::env.world_size], y[env.rank::env.world_size]  # 8, ..., 8, 7
     pred = model(x).argmax(-1)
     if args.bug != "gather":  # the fix: pad every shard to the longest, then drop the padding
         n = torch.tensor([len(pred)], device=env.device)
@@ -88,7 +89,7 @@ def evaluate(model, x, y):
             F.pad(y, (0, n.item() - len(y)), value=-1)
     preds = [torch.empty_like(pred) for _ in range(env.world_size)]
     ys = [torch.empty_like(y) for _ in range(env.world_size)]
-    dist.all_gather(preds, pred)  # the bug: 8 values here, 7 on rank 1
+    dist.all_gather(preds, pred)  # the bug: 8 values here, 7 on the last rank
     dist.all_gather(ys, y)
     pred, y = torch.cat(preds), torch.cat(ys)
     return (pred == y)[y >= 0].float().mean().item()
@@ -99,7 +100,8 @@ def main():
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(env.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(0)  # the same data on every rank; each takes its shard
-    x, x_val = torch.randn(64, 16, generator=g), torch.randn(15, 16, generator=g)
+    x = torch.randn(64, 16, generator=g)
+    x_val = torch.randn(8 * env.world_size - 1, 16, generator=g)  # uneven on purpose
     y, y_val = x[:, :4].argmax(-1), x_val[:, :4].argmax(-1)  # a rule to learn: which is largest
     x, y, x_val, y_val = (t.to(env.device) for t in (x, y, x_val, y_val))
     for step in range(1, args.steps + 1):
