@@ -68,7 +68,7 @@ def test_hogwild_and_synchronous_both_learn(run):
     assert "held-out loss at the end < 0.5: hogwild True, synchronous True, serial True" in out
 
 
-def test_hogwild_wrote_every_update_without_a_lock(run):
+def test_hogwild_counts_every_update(run):
     res, _ = run
     hog, updates = res["part1"]["hogwild"], res["workers"] * res["steps"]
     assert res["workers"] == 2 and hog["updates"] == updates

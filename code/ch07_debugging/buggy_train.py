@@ -12,19 +12,21 @@ save:   only rank 0 saves the checkpoint, and saving ends with a barrier ("so th
 gather: at evaluation every rank all-gathers its predictions, but the ranks hold different
         numbers of them (8N - 1 held-out samples on N ranks: the last rank has 7, the others 8).
         Shapes differ between ranks.
-crash:  rank 1 meets a bad sample at step 3 and raises; torchrun stops the other ranks.
+crash:  rank 1 meets a corrupt label (-1) at step 3: cross_entropy raises; torchrun stops the
+        other ranks.
 
 The training itself is hand-rolled data parallelism (chapter 01): each rank computes the
 gradient of its shard of the batch, one all-reduce averages them, every rank steps.
---fr-dir DIR turns on the flight recorder: each process group keeps its last collectives in a
-ring buffer (TORCH_FR_BUFFER_SIZE, read when the group is created); when a collective fails or
-torchrun stops the rank, the rank writes the buffer to DIR/rank_R for torch's analyser
-(`python -m torch.distributed.flight_recorder.fr_trace DIR`).
+--fr-dir DIR dumps the flight recorder: every process keeps its last collectives (all groups
+together) in a ring buffer, 2000 entries by default in torch 2.13 (TORCH_FR_BUFFER_SIZE, read
+when the first group is created). When a collective fails (its timeout), the rank writes the
+buffer to DIR/rank_R for torch's analyser (`python -m torch.distributed.flight_recorder.fr_trace
+DIR`). NCCL's watchdog dumps it by itself on a timeout (to TORCH_FR_DUMP_TEMP_FILE); gloo does
+not, hence the `except` below. (A SIGTERM handler would not help: Python runs it only once the
+collective the rank is blocked in returns.)
 """
 import argparse
-import os
-import signal
-import sys
+import pickle
 from pathlib import Path
 
 import torch
@@ -50,17 +52,18 @@ if not 0 < args.save_at < args.steps:
     parser.error(f"--save-at must be between 1 and --steps - 1, got {args.save_at}")
 if args.timeout <= 0:
     parser.error(f"--timeout must be positive, got {args.timeout}")
-if args.fr_dir:  # before the process group exists: the buffer size is read at its creation
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "100")
 
 
-def dump_flight_record(*_):
-    """This rank's flight-recorder buffer (pickle), written where fr_trace looks for it."""
+def dump_flight_record():
+    """This rank's flight-recorder buffer, written where fr_trace looks for it (a pickle)."""
+    c10d = torch._C._distributed_c10d
+    raw = c10d._dump_nccl_trace() if env.backend == "nccl" else c10d._dump_fr_trace()
+    dump = pickle.loads(raw)
+    if "" in dump["pg_config"]:  # gloo's dump (2.13) leaves the default group's name empty, ...
+        config = dump["pg_config"].pop("")  # ... which the analyser cannot match with its entries
+        dump["pg_config"]["0"] = {**config, "name": "0", "desc": "default_pg"}
     args.fr_dir.mkdir(parents=True, exist_ok=True)
-    (args.fr_dir / f"rank_{dist.get_rank()}").write_bytes(
-        torch._C._distributed_c10d._dump_fr_trace())
-    if _:  # called as a signal handler: torchrun stops us because another rank failed
-        os._exit(128 + signal.SIGTERM)
+    (args.fr_dir / f"rank_{dist.get_rank()}").write_bytes(pickle.dumps(dump))
 
 
 def average_gradients(model):
@@ -105,9 +108,10 @@ def main():
     y, y_val = x[:, :4].argmax(-1), x_val[:, :4].argmax(-1)  # a rule to learn: which is largest
     x, y, x_val, y_val = (t.to(env.device) for t in (x, y, x_val, y_val))
     for step in range(1, args.steps + 1):
-        if args.bug == "crash" and env.rank == 1 and step == 3:
-            raise ValueError(f"bad sample at step {step}: label -1 is not a class")
         xb, yb = x[env.rank::env.world_size], y[env.rank::env.world_size]
+        if args.bug == "crash" and env.rank == 1 and step == 3:
+            yb = yb.clone()
+            yb[0] = -1  # a corrupt label in rank 1's data
         loss = F.cross_entropy(model(xb), yb)
         optimizer.zero_grad()
         loss.backward()
@@ -126,8 +130,6 @@ def main():
 
 env = setup(timeout_s=args.timeout)
 seed_everything(0)
-if args.fr_dir:
-    signal.signal(signal.SIGTERM, dump_flight_record)
 try:
     main()
 except Exception:

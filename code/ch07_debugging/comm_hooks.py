@@ -101,7 +101,8 @@ def all_reduce_bytes(entries) -> tuple[int, int]:
 
 
 def bf16_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """bf16_compress_hook under another name: DDP refuses that name without CUDA + NCCL."""
+    """bf16_compress_hook under another name: DDP refuses that name in a torch built without
+    CUDA + NCCL >= 2.10 (or XPU), whatever the backend."""
     return default_hooks.bf16_compress_hook(state, bucket)
 
 
@@ -148,12 +149,11 @@ for hook in hooks:
     if hook == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif hook == "bf16":
-        try:
-            model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        except TypeError as e:  # DDP checks the hook's name, not the backend (gloo does bf16)
-            notes.append(f"bf16: DDP refused bf16_compress_hook ({e}); registered the same "
-                         "function under another name: gloo all-reduces bf16")
-            model.register_comm_hook(None, bf16_hook)
+        # DDP refuses a hook named bf16_compress_hook unless torch was *built* with CUDA and
+        # NCCL >= 2.10 (or XPU); gloo all-reduces bf16 fine, so register it under another name
+        model.register_comm_hook(None, bf16_hook)
+        notes.append("bf16: bf16_compress_hook registered under another name (DDP accepts the "
+                     "name only in torch builds with CUDA + NCCL >= 2.10 or XPU)")
     elif hook == "powersgd":
         state = psgd.PowerSGDState(None, matrix_approximation_rank=args.rank,
                                    start_powerSGD_iter=args.powersgd_start)

@@ -42,7 +42,7 @@ def _shown(arg) -> str:
 def launch(nproc: int, script: str, *args, ranks: str | None = None,
            env: dict | None = None, expect_failure: bool = False,
            short_tracebacks: bool = False, stop_when=None,
-           stacks_when: str | None = None) -> int | None:
+           stacks_when: str | None = None, limit: float | None = None) -> int | None:
     """Run `code/run_w_torchrun.sh NPROC SCRIPT ARGS...` and stream its output.
 
     Raises CalledProcessError when the launch fails, so the notebook cell fails too (a plain
@@ -59,6 +59,8 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     `stacks_when` (a regular expression): once a line of output matches it, wait a second, then
     show every rank's Python stack (`py-spy dump`, see rank_stacks), as you would for a run that
     seems to hang; they are kept in `launch.stacks` (rank -> frames, innermost first).
+    `limit` (seconds): stop torchrun (SIGTERM, passed on to the ranks; SIGKILL 10 s later) if it
+    still runs then, and raise TimeoutExpired: a demo of a failure may not hang the notebook.
     """
     cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
     launch.count += 1
@@ -72,13 +74,17 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
                             env=run_env)
     if stop_when is not None:
         threading.Thread(target=_stop_when, args=(proc, stop_when), daemon=True).start()
-    lines, in_traceback = [], False
+    fired = []  # _stop notes here that the limit was reached
+    timer = threading.Timer(limit, _stop, args=(proc, fired)) if limit else None
+    if timer:
+        timer.start()
+    lines, in_traceback, stacks = [], False, None
     launch.stacks = {}
     for line in proc.stdout:  # stream, so long runs show progress
         lines.append(line)
-        if stacks_when and re.search(stacks_when, line) and not launch.stacks:
-            launch.stacks = {"pending": True}
-            threading.Thread(target=_show_stacks, args=(proc.pid,), daemon=True).start()
+        if stacks_when and re.search(stacks_when, line) and stacks is None:
+            stacks = threading.Thread(target=_show_stacks, args=(proc.pid,), daemon=True)
+            stacks.start()
         if short_tracebacks:
             text = re.sub(r"^\[rank\d+\]: ", "", line)
             if text.startswith("Traceback (most recent call last)"):
@@ -89,6 +95,12 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
         if not expect_failure:
             print(line, end="", flush=True)
     status = proc.wait()
+    if stacks is not None:
+        stacks.join()  # the stacks belong to this cell's output
+    if timer:
+        timer.cancel()
+        if fired:
+            raise subprocess.TimeoutExpired(cmd, limit, "".join(lines))
     if expect_failure:
         if status == 0:
             raise AssertionError(f"expected {script} to fail, but it succeeded")
@@ -118,6 +130,15 @@ def _stop_when(proc: subprocess.Popen, predicate) -> None:
         time.sleep(0.2)
 
 
+def _stop(proc: subprocess.Popen, fired: list) -> None:
+    fired.append(True)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def _show_stacks(torchrun_pid: int) -> None:
     time.sleep(1.0)  # let the ranks get where they wait
     launch.stacks = rank_stacks(torchrun_pid)
@@ -136,12 +157,13 @@ def rank_stacks(torchrun_pid: int) -> dict:
     py_spy = Path(sys.executable).with_name("py-spy")  # installed beside this Python (make setup)
     stacks = {}
     for child in psutil.Process(torchrun_pid).children():
+        rank = child.pid  # until its environment says which rank it is
         try:
-            rank = int(child.environ().get("RANK", -1))
+            rank = int(child.environ().get("RANK", rank))
             out = subprocess.run([str(py_spy) if py_spy.exists() else "py-spy", "dump", "--pid", str(child.pid)], capture_output=True,
                                  text=True, timeout=20)
         except (psutil.Error, OSError, subprocess.TimeoutExpired) as e:
-            stacks[child.pid] = [f"py-spy failed: {e}"]
+            stacks[rank] = [f"py-spy failed: {e}"]
             continue
         if out.returncode:
             stacks[rank] = [f"py-spy failed: {(out.stderr or out.stdout).strip().splitlines()[-1:]}"]

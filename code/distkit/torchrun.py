@@ -56,9 +56,14 @@ def error_of(run_dir: Path, local_rank: int, failure) -> str:
     logs = sorted(run_dir.glob(f"*/attempt_*/{local_rank}/stderr.log"))
     lines = [ln for ln in logs[-1].read_text(errors="replace").splitlines() if ln.strip()] \
         if logs else []
-    errors = [ln for ln in lines if ERROR_LINE.match(ln)]
+    # an abort in C++ (SIGABRT) says why on a "what():" line; Python's faulthandler then adds
+    # its dump of the stack and an "Extension modules: ..." line, which say nothing
+    errors = [ln for ln in lines if ln.strip().startswith("what():")] or \
+        [ln for ln in lines if ERROR_LINE.match(ln)]
+    lines = lines[:next((i for i, ln in enumerate(lines) if ln.startswith("Extension modules")),
+                        len(lines))]
     line = (errors or lines or ["nothing on its stderr"])[-1]
-    return re.sub(r"^\[rank\d+\]: ", "", line).strip()
+    return re.sub(r"^\[rank\d+\]: |^\s*what\(\):\s*", "", line).strip()
 
 
 def main(argv: list[str] | None = None) -> int:
