@@ -143,6 +143,19 @@ def check_same_options(monkeypatch, capsys, template: str) -> None:
     assert helps[0] == helps[1]
 
 
+def run_papermill(tmp_path, notebook: str, *args) -> str:
+    """Run notebooks/NOTEBOOK headless with papermill and papermill's ARGS (e.g. "-p", "NPROC",
+    "3"), from the repo root; assert it passed, and return its cells (sources and outputs) as
+    text for the caller's checks."""
+    out = tmp_path / "out.ipynb"
+    proc = subprocess.run([sys.executable, "-m", "papermill", f"notebooks/{notebook}", str(out),
+                           *map(str, args), "--no-progress-bar"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=launcher_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.dumps(nbformat.read(out, as_version=4).cells)
+
+
 def write_notebook(path, *sources) -> Path:
     """A notebook with one code cell per source, for testing the harness itself."""
     nb = nbformat.v4.new_notebook()

@@ -8,11 +8,10 @@ import json
 import subprocess
 import sys
 
-import nbformat
 import pytest
 import torch
 
-from conftest import ROOT, launcher_env, run_in_process, run_json, run_scripts_at_once
+from conftest import ROOT, run_in_process, run_json, run_papermill, run_scripts_at_once
 from distkit.pipe import (LlamaStage, SavedActivations, idle_breakdown, idle_fractions,
                           lm_loss, split_layers)
 from distkit.toy import counting_data, tiny_llama
@@ -141,14 +140,9 @@ def test_notebook_rejects_bad_parameters(tmp_path):
 def test_notebook_at_four_processes(tmp_path):
     """Four stages (middle stages in every pipeline, 1F1B holding 4, 3, 2, 1 micro-batches) and
     one attention head per tensor-parallel rank. On 2 cores the timing checks skip themselves."""
-    out = tmp_path / "out.ipynb"
-    proc = subprocess.run([sys.executable, "-m", "papermill", "notebooks/02_model_parallelism.ipynb",
-                           str(out), "-p", "NPROC", "4", "-p", "LAYERS", "4", "-p", "REPEATS", "1",
-                           "-y", "UNBALANCED: [3, 2, 2, 1]", "--no-progress-bar"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=launcher_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = json.dumps(nbformat.read(out, as_version=4).cells)
+    text = run_papermill(tmp_path, "02_model_parallelism.ipynb", "-p", "NPROC", "4",
+                         "-p", "LAYERS", "4", "-p", "REPEATS", "1",
+                         "-y", "UNBALANCED: [3, 2, 2, 1]")
     assert "1f1b m=8: peak per stage" in text and "[4, 3, 2, 1] micro-batches" in text
     assert "4 stages, layers per rank [[0, 1], [1, 2], [2, 3], [3, 4]]" in text
     assert "parity with the unsharded model in every plan: True" in text

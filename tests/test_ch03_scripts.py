@@ -3,13 +3,10 @@
 Budget: one 2-process launch of zero_memory.py (~9 s) and one simulated point (~10 s); the
 notebook runs activations.py and the live simulation points (nbval)."""
 import json
-import subprocess
-import sys
 
-import nbformat
 import pytest
 
-from conftest import ROOT, launcher_env, run_in_process, run_json, run_scripts_at_once
+from conftest import ROOT, run_in_process, run_json, run_papermill, run_scripts_at_once
 from distkit.memory import FP32_ADAMW, model_state_bytes
 
 SIM = "ch03_zero/simulate_fsdp.py"
@@ -116,14 +113,8 @@ def test_checkpointing_cuts_the_simulated_activations_and_the_peak_holds_the_opt
 def test_notebook_at_three_processes(tmp_path):
     """N = 3 divides no dimension of the tiny Llama: FSDP2 pads, ZeRO-1's split is uneven, and
     the notebook says so instead of asserting the 1%; the exercise pads its flat vector."""
-    out = tmp_path / "out.ipynb"
-    proc = subprocess.run([sys.executable, "-m", "papermill", "notebooks/03_zero_memory_math.ipynb",
-                           str(out), "-p", "NPROC", "3", "-p", "SIM_POINTS", "1b:8",
-                           "--no-progress-bar"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=launcher_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = json.dumps(nbformat.read(out, as_version=4).cells)
+    text = run_papermill(tmp_path, "03_zero_memory_math.ipynb", "-p", "NPROC", "3",
+                         "-p", "SIM_POINTS", "1b:8")
     assert "every parameter's first dimension divides by N = 3: False" in text
     assert "max |loss - reference| < 1e-05: True" in text and "|loss - reference| < 1e-05: False" not in text
     assert "fsdp2-bf16  max |loss - reference| < 0.01: True" in text

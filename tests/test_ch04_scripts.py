@@ -3,13 +3,10 @@ sizes (N = 1 without torchrun, N = 4 for the meta-device init). The notebook (nb
 train_fsdp2.py, inside_fsdp2.py and meta_init.py at N = 2 and asserts their results; the 2D,
 FSDP1 and LoRA scripts have their own test files."""
 import json
-import subprocess
-import sys
 
-import nbformat
 import pytest
 
-from conftest import ROOT, launcher_env, run_in_process, run_json, run_scripts_at_once
+from conftest import run_in_process, run_json, run_papermill, run_scripts_at_once
 
 ONE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost"}
 
@@ -61,13 +58,7 @@ def test_meta_init_on_four_ranks_matches_one_process(tmp_path):
 def test_notebook_at_three_processes(tmp_path):
     """N = 3 divides none of the tiny Llama's first dimensions: FSDP2 pads, and the notebook
     reports the padding instead of asserting 1/N within 2%; every parity still holds."""
-    out = tmp_path / "out.ipynb"
-    proc = subprocess.run([sys.executable, "-m", "papermill", "notebooks/04_fsdp2.ipynb",
-                           str(out), "-p", "NPROC", "3", "--no-progress-bar"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=launcher_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = json.dumps(nbformat.read(out, as_version=4).cells)
+    text = run_papermill(tmp_path, "04_fsdp2.ipynb", "-p", "NPROC", "3")
     assert "every first dimension divides by N = 3 (no padding): False" in text
     assert "every configuration's losses match one process: True" in text
     assert "max |FSDP2 loss - one process's| < 1e-5: True" in text

@@ -4,14 +4,10 @@ keep-last-K) on fake folders, in this process. The notebook (nbval) runs the scr
 train_ckpt.py uninterrupted, killed mid-run, killed inside dcp.save, with a corrupted
 checkpoint, and resharded 2 -> 1, 3, 4; formats.py on a good checkpoint. It asserts every
 result (bit-identical resumes, loaded == saved, equal round trips and logits)."""
-import json
-import subprocess
-import sys
 
-import nbformat
 import pytest
 
-from conftest import ROOT, launcher_env, run_in_process, run_launcher
+from conftest import run_in_process, run_launcher, run_papermill
 from distkit.ckpt import MANIFEST, CheckpointDir, read_manifest
 
 
@@ -135,13 +131,6 @@ def test_formats_refuses_a_checkpoint_it_cannot_trust(monkeypatch, capsys, tmp_p
 @pytest.mark.second_nproc
 def test_notebook_at_three_processes(tmp_path):
     """The chapter at N = 3 (a global batch of 36 = 3 x 12): the same bit-identical resumes."""
-    out = tmp_path / "out.ipynb"
-    proc = subprocess.run([sys.executable, "-m", "papermill",
-                           "notebooks/05_distributed_checkpoint.ipynb", str(out),
-                           "-p", "NPROC", "3", "--no-progress-bar"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=launcher_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = json.dumps(nbformat.read(out, as_version=4).cells)
+    text = run_papermill(tmp_path, "05_distributed_checkpoint.ipynb", "-p", "NPROC", "3")
     assert "final loss, weights and random streams bit-identical to the uninterrupted run: True" \
         in text

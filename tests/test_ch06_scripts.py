@@ -4,14 +4,12 @@ checkpoint at the last step. The notebook (nbval) runs the recipe for real on 2 
 process preempted by SIGTERM, and resumed on two rehearsal "nodes", and asserts the held-out
 loss against the unigram baseline, the parity across world sizes and the export's loss."""
 import json
-import subprocess
 import sys
 
-import nbformat
 import pytest
 import torch
 
-from conftest import CODE, ROOT, launcher_env, run_in_process, run_ok
+from conftest import CODE, run_in_process, run_ok, run_papermill
 
 sys.path.insert(0, str(CODE / "ch06_capstone"))
 import corpus  # noqa: E402
@@ -84,15 +82,8 @@ def test_resume_from_the_last_step(tmp_path):
 @pytest.mark.second_nproc
 def test_notebook_at_three_processes(tmp_path):
     """The chapter at N = 3 (global batch 24, micro-batches of 4: 1, 2 and 3 ranks divide it)."""
-    out = tmp_path / "out.ipynb"
-    proc = subprocess.run([sys.executable, "-m", "papermill",
-                           "notebooks/06_capstone_llama_fsdp2.ipynb", str(out),
-                           "-p", "NPROC", "3", "-p", "BATCH", "24", "-p", "MICRO", "4",
-                           "--no-progress-bar"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=launcher_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = json.dumps(nbformat.read(out, as_version=4).cells)
+    text = run_papermill(tmp_path, "06_capstone_llama_fsdp2.ipynb", "-p", "NPROC", "3",
+                         "-p", "BATCH", "24", "-p", "MICRO", "4")
     for line in ["held-out loss falls below the unigram baseline by more than 0.3 nats: True",
                  "1 process == 3 processes at every step before the preemption",
                  "the 3-process run, every loss within 0.005: True; every held-out loss: True"]:

@@ -6,16 +6,13 @@ from machine to machine); here the messages are asserted. Three launches run at 
 the uneven all-gather without DETAIL (gloo's own size check). The crash and the flight-recorder
 dumps are compared cells of the notebook.
 """
-import json
 import subprocess
-import sys
 import threading
 import time
 
-import nbformat
 import pytest
 
-from conftest import LAUNCHER, ROOT, launcher_env, run_in_process
+from conftest import LAUNCHER, launcher_env, run_in_process, run_papermill
 from distkit import notebook
 
 SCRIPT = "ch07_debugging/buggy_train.py"
@@ -89,14 +86,7 @@ def test_gloo_catches_the_uneven_gather_by_aborting(failures):
 def test_notebook_at_three_processes(tmp_path):
     """The chapter at N = 3: every failure still fails (the last rank's shard is still one
     short), every fix still runs, the compared facts still hold."""
-    out = tmp_path / "out.ipynb"
-    proc = subprocess.run([sys.executable, "-m", "papermill",
-                           "notebooks/07_when_things_go_wrong.ipynb", str(out),
-                           "-p", "NPROC", "3", "--no-progress-bar"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=launcher_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = json.dumps(nbformat.read(out, as_version=4).cells)
+    text = run_papermill(tmp_path, "07_when_things_go_wrong.ipynb", "-p", "NPROC", "3")
     for line in ["ranks agree on torch, cuda, nccl, python, gpus: True",
                  "Culprit rank 0; Error type: COLLECTIVE_TYPE_MISMATCH",  # the odd one of 3
                  "rank 1's error file: IndexError: Target -1 is out of bounds."]:

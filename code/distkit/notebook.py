@@ -219,14 +219,19 @@ launch.stacks = {}
 launch.count = 0  # launches so far in this kernel: a notebook's last cell reports them
 
 
+def _with_code_on_path() -> dict:
+    """This environment, with code/ first on PYTHONPATH (the course's scripts import distkit)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(CODE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 def run_python(script: str, *args) -> None:
     """Run `python code/SCRIPT ARGS...`, a one-process script (no torchrun), streaming its
     output; raises CalledProcessError when it fails, so the notebook cell fails too."""
     cmd = [sys.executable, str(CODE / script), *map(str, args)]
     print("$ PYTHONPATH=code python", shlex.join([f"code/{script}", *map(_shown, args)]),
           flush=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(CODE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = _with_code_on_path()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
     lines = []
@@ -249,8 +254,7 @@ def run_failing(cmd: list, limit: float, hide: dict | None = None) -> None:
             text = text.replace(old, new)
         return text
     print("$", shown(shlex.join(map(_shown, cmd))), flush=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(CODE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = _with_code_on_path()
     run = [sys.executable, "-m", "torch.distributed.run", *cmd[1:]] if cmd[0] == "torchrun" else cmd
     proc = subprocess.run(run, capture_output=True, text=True, env=env, timeout=limit, cwd=ROOT)
     if proc.returncode == 0:
