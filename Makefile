@@ -48,9 +48,18 @@ test-nproc: setup
 # JupyterLab refuses to start as root (the user in most containers) without --allow-root.
 ALLOW_ROOT = $(if $(filter 0,$(shell id -u)),--allow-root)
 
+# It serves the repository root, so the notebooks' ../images/*.png lie inside what it serves (from
+# notebooks/, every image was a 404), and opens at notebooks/. tests/test_lab.py starts this same
+# server: it reads the command with `make -s print-LAB_COMMAND`.
+LAB_COMMAND = $(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir . \
+              --LabApp.default_url=/lab/tree/notebooks $(ALLOW_ROOT)
+
 lab: setup
 	@[ -z "$(ALLOW_ROOT)" ] || echo "make lab: running as root (as in containers): adding --allow-root" >&2
-	$(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir notebooks $(ALLOW_ROOT)
+	$(LAB_COMMAND)
+
+print-%:  # the value of a variable: make -s print-LAB_COMMAND
+	@echo '$($*)'
 
 # The explanatory diagrams in images/ are drawn by code, so a diagram is fixed and redrawn.
 images: setup

@@ -62,7 +62,8 @@ def test_lab_allows_root_only_as_root(tmp_path, uid):
                 path_prefix=tmp_path / "fakebin")
     assert proc.returncode == 0, proc.stderr
     args = (venv / "bin" / "args").read_text().split()
-    assert args[:6] == ["jupyter", "lab", "--ip", "127.0.0.1", "--notebook-dir", "notebooks"]
+    assert args[:6] == ["jupyter", "lab", "--ip", "127.0.0.1", "--notebook-dir", "."]
+    assert "--LabApp.default_url=/lab/tree/notebooks" in args  # opens at notebooks/
     assert ("--allow-root" in args) == (uid == "0")
     assert ("running as root" in proc.stderr) == (uid == "0")
     assert not any("token" in a for a in args)  # jupyter's token stays on
