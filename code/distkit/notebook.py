@@ -116,7 +116,7 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     except KeyboardInterrupt:  # the kernel was interrupted: stop every rank, say so in one line
         if timer:
             timer.cancel()
-        stopped, left = _terminate(proc, grace, drain=True)
+        stopped, left = stop_launch(proc, grace, drain=True)
         raise Interrupted(f"interrupted: stopped {stopped} rank{'s' * (stopped != 1)}"
                           + (f"; still running: pids {left}" if left else "")) from None
     if stacks is not None:
@@ -156,15 +156,15 @@ def _stop_when(proc: subprocess.Popen, predicate) -> None:
 
 def _stop(proc: subprocess.Popen, fired: list, grace: float) -> None:
     fired.append(True)
-    _terminate(proc, grace, drain=False)  # the launch's own thread reads the output
+    stop_launch(proc, grace, drain=False)  # the launch's own thread reads the output
 
 
-def _terminate(proc: subprocess.Popen, grace: float, drain: bool) -> tuple[int, list[int]]:
+def stop_launch(proc: subprocess.Popen, grace: float, drain: bool) -> tuple[int, list[int]]:
     """Stop a launch: SIGTERM to torchrun, which passes it on to every rank and SIGKILLs those
     still running after its shutdown timeout; `grace` seconds on, SIGKILL whatever is left of
     the launch (torchrun, the ranks, what they started: the ranks run in sessions of their own,
-    so nothing else would). `drain`: read the output meanwhile (no one else does), so torchrun
-    never blocks writing it. Returns the number of ranks stopped and the pids still alive."""
+    so nothing else would). `drain`: read the output meanwhile (no one else reads it now), so
+    torchrun never blocks writing it. Returns the number of ranks stopped and the pids still alive."""
     import psutil
     if proc.poll() is not None:  # torchrun has ended, and its ranks with it
         return 0, []
@@ -173,9 +173,11 @@ def _terminate(proc: subprocess.Popen, grace: float, drain: bool) -> tuple[int, 
         ranks, tree = torchrun.children(), torchrun.children(recursive=True)
     except psutil.NoSuchProcess:  # already gone
         ranks, tree = [], []
+    if drain:  # not to wait for EOF, which a leftover child holding the pipe would delay
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
     try:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=grace) if drain else proc.wait(timeout=grace)
+        proc.wait(timeout=grace)
     except (subprocess.TimeoutExpired, KeyboardInterrupt):  # hung, or interrupted again
         proc.kill()
         proc.wait()
@@ -255,7 +257,7 @@ def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 6
     try:
         outputs = [p.communicate(timeout=max(1, deadline - time.monotonic()))[0] for p in procs]
     except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
-        stopped = sum(_terminate(p, SHUTDOWN_S + STOP_GRACE_S, drain=True)[0] for p in procs)
+        stopped = sum(stop_launch(p, SHUTDOWN_S + STOP_GRACE_S, drain=True)[0] for p in procs)
         if isinstance(e, KeyboardInterrupt):
             raise Interrupted(f"interrupted: stopped {stopped} ranks") from None
         raise
