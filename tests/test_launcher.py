@@ -288,3 +288,16 @@ def test_two_nodes_through_c10d_rendezvous():
     for r in range(4):
         assert f"[rank {r}] RANK={r}" in out
     assert out.count("WORLD_SIZE=4  LOCAL_WORLD_SIZE=2") == 4
+
+
+def test_the_failure_summary_reads_the_last_attempt(tmp_path):
+    """After restarts, the error comes from the newest attempt: attempt_10, not attempt_9 (which
+    sorts last as text)."""
+    from types import SimpleNamespace
+
+    from distkit.torchrun import error_of
+    for attempt in (9, 10):
+        log = tmp_path / "run" / f"attempt_{attempt}" / "0" / "stderr.log"
+        log.parent.mkdir(parents=True)
+        log.write_text(f"ValueError: attempt {attempt}\n")
+    assert error_of(tmp_path, 0, SimpleNamespace(message="")) == "ValueError: attempt 10"

@@ -59,7 +59,9 @@ def error_of(run_dir: Path, local_rank: int, failure) -> str:
     else the last error-looking line of its stderr log, else its last line (if any)."""
     if isinstance(failure.message, dict):
         return failure.message.get("message", "").strip()
-    logs = sorted(run_dir.glob(f"*/attempt_*/{local_rank}/stderr.log"))
+    # the last attempt's (by number: attempt_10 sorts before attempt_9 as text)
+    logs = sorted(run_dir.glob(f"*/attempt_*/{local_rank}/stderr.log"),
+                  key=lambda log: int(log.parent.parent.name.removeprefix("attempt_")))
     lines = [ln for ln in logs[-1].read_text(errors="replace").splitlines() if ln.strip()] \
         if logs else []
     # an abort in C++ (SIGABRT) says why on a "what():" line; Python's faulthandler then adds
