@@ -21,6 +21,9 @@ LAUNCHER = CODE / "run_w_torchrun.sh"
 # a stopped cell should not wait half a minute for a hung rank. A cell that stops a launch waits
 # STOP_GRACE_S more for torchrun before it kills what is left of the launch.
 SHUTDOWN_S, STOP_GRACE_S = 10, 10
+# Set for every launch from here: distkit/torchrun.py then leaves an interrupt (SIGINT, which
+# reaches the whole process group of an interrupted kernel) to us, and we stop the launch.
+CALLER_STOPS = {"DISTKIT_CALLER_STOPS": "1"}
 
 
 class Interrupted(KeyboardInterrupt):
@@ -86,7 +89,7 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
         run_env["RANKS"] = ranks
     run_env.setdefault("SHUTDOWN_TIMEOUT", str(SHUTDOWN_S))
     grace = int(run_env["SHUTDOWN_TIMEOUT"]) + STOP_GRACE_S
-    run_env["DISTKIT_CALLER_STOPS"] = "1"  # an interrupt is ours to pass on (distkit/torchrun.py)
+    run_env.update(CALLER_STOPS)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=run_env)
     if stop_when is not None:
@@ -250,7 +253,7 @@ def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 6
     cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
     env = {**os.environ, "PYTHON": sys.executable, "NNODES": str(nnodes),
            "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": f"rehearsal{port}",
-           "SHUTDOWN_TIMEOUT": str(SHUTDOWN_S), "DISTKIT_CALLER_STOPS": "1"}
+           "SHUTDOWN_TIMEOUT": str(SHUTDOWN_S), **CALLER_STOPS}
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=env) for _ in range(nnodes)]
     deadline = time.monotonic() + timeout
