@@ -24,7 +24,7 @@
 #                      fight over the CPU
 #   SHUTDOWN_TIMEOUT=S when torchrun is stopped (Ctrl-C, SIGTERM), it passes the signal on and
 #                      waits S seconds for the ranks before it SIGKILLs them (default 30,
-#                      torchrun's own; a notebook's launch() sets 10 and waits for torchrun longer)
+#                      torchrun's own; a notebook's launch() waits 10 s more, then kills the rest)
 #   PYTHON             the Python whose torch to use (default: python3 on PATH)
 #
 # Multi-node (run the same command on every node; torchrun's c10d rendezvous assigns ranks):

@@ -17,10 +17,11 @@ from pathlib import Path
 CODE = Path(__file__).resolve().parent.parent  # the course's code/ folder
 ROOT = CODE.parent
 LAUNCHER = CODE / "run_w_torchrun.sh"
-# Seconds torchrun gives the ranks to exit once stopped (its SHUTDOWN_TIMEOUT; 30 in a terminal):
-# a stopped cell should not wait half a minute for a hung rank. A cell that stops a launch waits
-# STOP_GRACE_S more for torchrun before it kills what is left of the launch.
-SHUTDOWN_S, STOP_GRACE_S = 10, 10
+# Seconds torchrun gives the ranks to exit once stopped (the launcher's SHUTDOWN_TIMEOUT, here
+# its default, torchrun's own): chapter 06's ranks save a checkpoint on SIGTERM, which a loaded
+# machine makes slow, while a rank that does not catch SIGTERM dies at once. A cell that stops a
+# launch waits STOP_GRACE_S more for torchrun before it kills what is left of the launch.
+SHUTDOWN_S, STOP_GRACE_S = 30, 10
 # Set for every launch from here: distkit/torchrun.py then leaves an interrupt (SIGINT, which
 # reaches the whole process group of an interrupted kernel) to us, and we stop the launch.
 CALLER_STOPS = {"DISTKIT_CALLER_STOPS": "1"}
