@@ -59,8 +59,8 @@ def pins(requirements: Path = ROOT / "requirements.txt") -> dict[str, str]:
 
 def check_python(version: tuple = tuple(sys.version_info[:2])) -> Result:
     shown = ".".join(map(str, version))
-    (lo, hi), span = PYTHONS, f"{PYTHONS[0][0]}.{PYTHONS[0][1]}-{PYTHONS[1][0]}.{PYTHONS[1][1]}"
-    if lo <= tuple(version) <= hi:
+    span = "{}.{}-{}.{}".format(*PYTHONS[0], *PYTHONS[1])
+    if PYTHONS[0] <= tuple(version) <= PYTHONS[1]:
         return Result("PASS", "python", f"{shown} (the course needs {span})")
     return Result("FAIL", "python", f"{shown}, the course needs {span} (tested: 3.11)",
                   "install one and run e.g. `make PYTHON=python3.11 setup`")
