@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PYTHONPATH := $(CURDIR)/code
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup check-python course test test-nproc lab images clean
+.PHONY: setup check check-python course test test-nproc lab images clean
 
 setup: $(VENV)/.installed
 
@@ -33,6 +33,11 @@ $(VENV)/.installed: requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	touch $@
+
+# A pre-flight for a participant's machine (a workshop's laptops): one PASS/WARN/FAIL line per
+# check, with the fix; exit status 1 on any FAIL. See code/distkit/check.py.
+check: setup
+	$(BIN)/python -m distkit.check
 
 course: setup
 	$(BIN)/python -m distkit.run_course

@@ -1,11 +1,16 @@
 """code/run_w_torchrun.sh: bad input fails fast with one line; good input runs every rank;
-a failed run ends with a short summary; logs go to build/logs/, not to the temp dir."""
+a failed run ends with a short summary; logs go to build/logs/, not to the temp dir; a stopped
+launch (SIGTERM, an interrupted notebook cell) leaves no process behind."""
+import os
 import shutil
+import signal
 import subprocess
+import time
 
+import psutil
 import pytest
 
-from conftest import LAUNCHER, ROOT, free_port, launcher_env, run_launcher, run_ok
+from conftest import CODE, LAUNCHER, ROOT, free_port, launcher_env, run_launcher, run_ok
 
 
 @pytest.mark.parametrize("args, reason", [
@@ -28,6 +33,152 @@ def test_bad_input_one_line_and_nonzero(args, reason):
 def test_bad_multinode_env():
     proc = run_launcher(2, "ch00_collectives/hello_torchrun.py", env={"NNODES": "2"}, timeout=10)
     assert proc.returncode == 2 and "RDZV_ENDPOINT" in proc.stderr
+
+
+@pytest.mark.parametrize("env, reason", [
+    ({"RANKS": "all"}, "RANKS must list local ranks below NPROC=2, e.g. RANKS=0 or RANKS=0,1; "
+                       "got 'all'"),
+    ({"RANKS": "2"}, "got '2'"),  # torchrun would show nothing: local ranks are 0 and 1
+    ({"RANKS": "0,"}, "got '0,'"),
+    ({"RANKS": "-1"}, "got '-1'"),
+    ({"SHUTDOWN_TIMEOUT": "soon"}, "SHUTDOWN_TIMEOUT must be a whole number of seconds"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "127.0.0.1:1", "RDZV_TIMEOUT": "0"},
+     "RDZV_TIMEOUT must be a positive number of seconds, got '0'"),
+])
+def test_bad_environment_one_line_and_exit_2(env, reason):
+    """Knobs are checked before torchrun starts (it would answer RANKS=all with a traceback)."""
+    start = time.monotonic()
+    proc = run_launcher(2, "ch00_collectives/hello_torchrun.py", env=env, timeout=10)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and reason in proc.stderr, proc.stderr
+    assert time.monotonic() - start < 5  # at once: no torch import
+
+
+def test_ranks_accepts_what_torchrun_accepts(rank_script, tmp_path):
+    proc = run_ok(2, rank_script, env={"RANKS": " 1", "LOG_DIR": str(tmp_path / "logs")})
+    assert "rank=1" in proc.stdout and "rank=0" not in proc.stdout
+
+
+def test_script_path_from_the_current_directory(rank_script, tmp_path):
+    """A path relative to code/ first (as the course writes it), else to the current directory:
+    `code/run_w_torchrun.sh 2 code/ch00_collectives/x.py` from the repo root is the same case."""
+    proc = subprocess.run([str(LAUNCHER), "2", f"{tmp_path.name}/{rank_script.name}"],
+                          cwd=tmp_path.parent, capture_output=True, text=True, timeout=180,
+                          env=launcher_env({"LOG_DIR": str(tmp_path / "logs")}))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.split())[2:] == ["rank=0", "rank=1"]
+    missing = run_launcher(2, "code/no_such_script.py", timeout=10)
+    assert missing.returncode == 2
+    assert "no such script: code/no_such_script.py (looked in" in missing.stderr
+
+
+def test_a_missing_node_is_reported_while_waiting_and_when_the_wait_ends(tmp_path):
+    """One "node" of two: within seconds a line says what it waits for (torchrun alone is silent
+    for its 600 s join timeout), and the timeout (RDZV_TIMEOUT) ends it in one line, exit 1."""
+    port = free_port()
+    proc = run_launcher(1, "ch00_collectives/hello_torchrun.py", timeout=120, env={
+        "NNODES": "2", "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_TIMEOUT": "6",
+        "LOG_DIR": str(tmp_path)})
+    assert proc.returncode == 1
+    waiting, failed = proc.stderr.splitlines()
+    assert waiting == (f"run_w_torchrun.sh: waiting for 2 nodes at 127.0.0.1:{port} (rendezvous "
+                       f"id 'course', up to 6 s): start the same command on the other nodes")
+    assert failed.startswith(f"run_w_torchrun.sh: the rendezvous at 127.0.0.1:{port} failed: "
+                             "not all 2 nodes joined within 6 s; torchrun's report is in ")
+    assert "RendezvousTimeoutError" in next(tmp_path.rglob("torchrun.log")).read_text()
+
+
+@pytest.fixture
+def hung_rank_1(tmp_path):
+    """Every rank says it is up, then sleeps; rank 1 ignores SIGTERM, as a rank stuck in a
+    collective or saving too long would: only torchrun's SIGKILL stops it."""
+    script = tmp_path / "hung_rank_1.py"
+    script.write_text("import os, signal, time\n"
+                      "if os.environ['LOCAL_RANK'] == '1':\n"
+                      "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "print(f\"rank {os.environ['RANK']} up\", flush=True)\n"
+                      "time.sleep(300)\n")
+    return script
+
+
+def wait_for_lines(stream, *wanted, timeout=120) -> str:
+    """Read a process's output until every wanted line has been seen (the ranks are up)."""
+    seen, deadline = "", time.monotonic() + timeout
+    while not all(w in seen for w in wanted):
+        assert time.monotonic() < deadline, f"never saw {wanted} in:\n{seen}"
+        seen += stream.readline()
+    return seen
+
+
+def test_sigterm_stops_every_rank_within_the_shutdown_timeout(hung_rank_1, tmp_path):
+    """torchrun passes SIGTERM on, waits SHUTDOWN_TIMEOUT for the ranks, SIGKILLs the hung one,
+    says so in one line and exits 143; the message names the real timeout (it said "None")."""
+    proc = subprocess.Popen([str(LAUNCHER), "2", str(hung_rank_1)], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=launcher_env({"SHUTDOWN_TIMEOUT": "2", "LOG_DIR": str(tmp_path)}))
+    try:
+        wait_for_lines(proc.stdout, "rank 0 up", "rank 1 up")
+        ranks = psutil.Process(proc.pid).children()
+        assert len(ranks) == 2
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert rest == ("run_w_torchrun.sh: torchrun received SIGTERM, sent it to the ranks and "
+                    "waited for them to exit (up to 2 s, then SIGKILL)\n")
+    assert 2 <= time.monotonic() - start < 30
+    assert not psutil.wait_procs(ranks, timeout=5)[1]
+
+
+@pytest.mark.parametrize("who", ["process group", "kernel only"])
+def test_an_interrupted_cell_stops_every_rank_and_says_so_in_one_line(hung_rank_1, tmp_path, who):
+    """Interrupting a kernel during launch() (JupyterLab signals the kernel's process group, the
+    launch included; `kill -INT` reaches the kernel alone) stops every rank, the hung one too,
+    and the cell's error is one line, no traceback; the kernel lives on."""
+    from jupyter_client.manager import KernelManager
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(env=launcher_env({"PYTHONPATH": str(CODE), "SHUTDOWN_TIMEOUT": "2",
+                                      "LOG_DIR": str(tmp_path / "logs")}))
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        msg_id = kc.execute(f"from distkit.notebook import launch\nlaunch(2, {str(hung_rank_1)!r})")
+        out = ""
+        while not ("rank 0 up" in out and "rank 1 up" in out):
+            msg = kc.get_iopub_msg(timeout=120)
+            out += msg["content"].get("text", "") if msg["msg_type"] == "stream" else ""
+        kernel = psutil.Process(km.provisioner.process.pid)
+        (torchrun,) = kernel.children()
+        launch = [torchrun, *torchrun.children(recursive=True)]
+        assert len(launch) == 3  # torchrun and its two ranks
+        if who == "process group":
+            km.interrupt_kernel()
+        else:
+            os.kill(kernel.pid, signal.SIGINT)
+        after = []
+        while True:
+            msg = kc.get_iopub_msg(timeout=60)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+            if msg["msg_type"] in ("stream", "error", "execute_result", "display_data"):
+                after.append(msg)
+        reply = kc.get_shell_msg(timeout=10)
+        while reply["parent_header"].get("msg_id") != msg_id:  # e.g. wait_for_ready's
+            reply = kc.get_shell_msg(timeout=10)
+        reply = reply["content"]
+        assert reply["status"] == "error" and reply["ename"] == "Interrupted"
+        assert [m["msg_type"] for m in after] == ["error"], after  # nothing else printed
+        assert after[0]["content"]["traceback"] == ["interrupted: stopped 2 ranks"]
+        assert not psutil.wait_procs(launch, timeout=5)[1]  # nothing of the launch is left
+        assert km.is_alive()
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def test_runs_every_rank_and_sets_threads(rank_script):
@@ -137,3 +288,16 @@ def test_two_nodes_through_c10d_rendezvous():
     for r in range(4):
         assert f"[rank {r}] RANK={r}" in out
     assert out.count("WORLD_SIZE=4  LOCAL_WORLD_SIZE=2") == 4
+
+
+def test_the_failure_summary_reads_the_last_attempt(tmp_path):
+    """After restarts, the error comes from the newest attempt: attempt_10, not attempt_9 (which
+    sorts last as text)."""
+    from types import SimpleNamespace
+
+    from distkit.torchrun import error_of
+    for attempt in (9, 10):
+        log = tmp_path / "run" / f"attempt_{attempt}" / "0" / "stderr.log"
+        log.parent.mkdir(parents=True)
+        log.write_text(f"ValueError: attempt {attempt}\n")
+    assert error_of(tmp_path, 0, SimpleNamespace(message="")) == "ValueError: attempt 10"

@@ -17,6 +17,22 @@ from pathlib import Path
 CODE = Path(__file__).resolve().parent.parent  # the course's code/ folder
 ROOT = CODE.parent
 LAUNCHER = CODE / "run_w_torchrun.sh"
+# Seconds torchrun gives the ranks to exit once stopped (the launcher's SHUTDOWN_TIMEOUT, here
+# its default, torchrun's own): chapter 06's ranks save a checkpoint on SIGTERM, which a loaded
+# machine makes slow, while a rank that does not catch SIGTERM dies at once. A cell that stops a
+# launch waits STOP_GRACE_S more for torchrun before it kills what is left of the launch.
+SHUTDOWN_S, STOP_GRACE_S = 30, 10
+# Set for every launch from here: distkit/torchrun.py then leaves an interrupt (SIGINT, which
+# reaches the whole process group of an interrupted kernel) to us, and we stop the launch.
+CALLER_STOPS = {"DISTKIT_CALLER_STOPS": "1"}
+
+
+class Interrupted(KeyboardInterrupt):
+    """An interrupted launch: IPython shows it as its one line (`_render_traceback_`, the hook
+    IPython calls instead of printing a traceback), not as a traceback into this module."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [str(self)]
 
 
 def require(*checks: tuple[bool, str]) -> None:
@@ -59,8 +75,10 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     `stacks_when` (a regular expression): once a line of output matches it, wait a second, then
     show every rank's Python stack (`py-spy dump`, see rank_stacks), as you would for a run that
     seems to hang; they are kept in `launch.stacks` (rank -> frames, innermost first).
-    `limit` (seconds): stop torchrun (SIGTERM, passed on to the ranks; SIGKILL 10 s later) if it
-    still runs then, and raise TimeoutExpired: a demo of a failure may not hang the notebook.
+    `limit` (seconds): stop torchrun (SIGTERM, passed on to the ranks; SIGKILL SHUTDOWN_S later)
+    if it still runs then, and raise TimeoutExpired: a demo of a failure may not hang the notebook.
+    Interrupting the kernel stops the launch the same way and ends the cell with one line
+    ("interrupted: stopped 2 ranks"), raised as `Interrupted`, a KeyboardInterrupt.
     """
     cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
     launch.count += 1
@@ -70,31 +88,41 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     run_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     if ranks is not None:
         run_env["RANKS"] = ranks
+    run_env.setdefault("SHUTDOWN_TIMEOUT", str(SHUTDOWN_S))
+    grace = int(run_env["SHUTDOWN_TIMEOUT"]) + STOP_GRACE_S
+    run_env.update(CALLER_STOPS)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=run_env)
     if stop_when is not None:
         threading.Thread(target=_stop_when, args=(proc, stop_when), daemon=True).start()
     fired = []  # _stop notes here that the limit was reached
-    timer = threading.Timer(limit, _stop, args=(proc, fired)) if limit else None
+    timer = threading.Timer(limit, _stop, args=(proc, fired, grace)) if limit else None
     if timer:
         timer.start()
     lines, in_traceback, stacks = [], False, None
     launch.stacks = {}
-    for line in proc.stdout:  # stream, so long runs show progress
-        lines.append(line)
-        if stacks_when and re.search(stacks_when, line) and stacks is None:
-            stacks = threading.Thread(target=_show_stacks, args=(proc.pid,), daemon=True)
-            stacks.start()
-        if short_tracebacks:
-            text = re.sub(r"^\[rank\d+\]: ", "", line)
-            if text.startswith("Traceback (most recent call last)"):
-                in_traceback = True
-            if in_traceback and (text.startswith(("Traceback", " ")) or not text.strip()):
-                continue  # a frame of the traceback
-            in_traceback = False
-        if not expect_failure:
-            print(line, end="", flush=True)
-    status = proc.wait()
+    try:
+        for line in proc.stdout:  # stream, so long runs show progress
+            lines.append(line)
+            if stacks_when and re.search(stacks_when, line) and stacks is None:
+                stacks = threading.Thread(target=_show_stacks, args=(proc.pid,), daemon=True)
+                stacks.start()
+            if short_tracebacks:
+                text = re.sub(r"^\[rank\d+\]: ", "", line)
+                if text.startswith("Traceback (most recent call last)"):
+                    in_traceback = True
+                if in_traceback and (text.startswith(("Traceback", " ")) or not text.strip()):
+                    continue  # a frame of the traceback
+                in_traceback = False
+            if not expect_failure:
+                print(line, end="", flush=True)
+        status = proc.wait()
+    except KeyboardInterrupt:  # the kernel was interrupted: stop every rank, say so in one line
+        if timer:
+            timer.cancel()
+        stopped, left = stop_launch(proc, grace, drain=True)
+        raise Interrupted(f"interrupted: stopped {stopped} rank{'s' * (stopped != 1)}"
+                          + (f"; still running: pids {left}" if left else "")) from None
     if stacks is not None:
         stacks.join()  # the stacks belong to this cell's output
     if timer:
@@ -130,13 +158,40 @@ def _stop_when(proc: subprocess.Popen, predicate) -> None:
         time.sleep(0.2)
 
 
-def _stop(proc: subprocess.Popen, fired: list) -> None:
+def _stop(proc: subprocess.Popen, fired: list, grace: float) -> None:
     fired.append(True)
-    proc.send_signal(signal.SIGTERM)
+    stop_launch(proc, grace, drain=False)  # the launch's own thread reads the output
+
+
+def stop_launch(proc: subprocess.Popen, grace: float, drain: bool) -> tuple[int, list[int]]:
+    """Stop a launch: SIGTERM to torchrun, which passes it on to every rank and SIGKILLs those
+    still running after its shutdown timeout; `grace` seconds on, SIGKILL whatever is left of
+    the launch (torchrun, the ranks, what they started: the ranks run in sessions of their own,
+    so nothing else would). `drain`: read the output meanwhile (no one else reads it now), so
+    torchrun never blocks writing it. Returns the number of ranks stopped and the pids still alive."""
+    import psutil
+    if proc.poll() is not None:  # torchrun has ended, and its ranks with it
+        return 0, []
     try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
+        torchrun = psutil.Process(proc.pid)
+        ranks, tree = torchrun.children(), torchrun.children(recursive=True)
+    except psutil.NoSuchProcess:  # already gone
+        ranks, tree = [], []
+    if drain:  # not to wait for EOF, which a leftover child holding the pipe would delay
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):  # hung, or interrupted again
         proc.kill()
+        proc.wait()
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=5)
+    return sum(p not in alive for p in ranks), sorted(p.pid for p in alive)
 
 
 def _show_stacks(torchrun_pid: int) -> None:
@@ -179,6 +234,9 @@ _STORE_GONE = re.compile(r"^\[W[^\n]*TCPStore[^\n]*Connection was likely closed[
                          r"(?:(?:Exception raised from|frame #|<omitting)[^\n]*\n|\n)*", re.M)
 
 
+_WAITING = re.compile(r"^run_w_torchrun.sh: waiting for \d+ nodes at .*\n", re.M)
+
+
 def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 600) -> None:
     """Rehearse a multi-node launch on this machine: `nnodes` launchers, each with NPROC
     processes, started at once with NNODES and RDZV_ENDPOINT=127.0.0.1:<a free port>, as each
@@ -195,20 +253,25 @@ def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 6
     launch.count += nnodes
     cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
     env = {**os.environ, "PYTHON": sys.executable, "NNODES": str(nnodes),
-           "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": f"rehearsal{port}"}
+           "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": f"rehearsal{port}",
+           "SHUTDOWN_TIMEOUT": str(SHUTDOWN_S), **CALLER_STOPS}
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=env) for _ in range(nnodes)]
     deadline = time.monotonic() + timeout
     try:
         outputs = [p.communicate(timeout=max(1, deadline - time.monotonic()))[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
+    except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
+        stopped = sum(stop_launch(p, SHUTDOWN_S + STOP_GRACE_S, drain=True)[0] for p in procs)
+        if isinstance(e, KeyboardInterrupt):
+            raise Interrupted(f"interrupted: stopped {stopped} ranks") from None
         raise
     for node, (p, out) in enumerate(zip(procs, outputs)):
         shown = _STORE_GONE.sub("(torchrun at exit: the rendezvous store, hosted by the other "
                                 "node's torchrun, had closed first; a harmless race at shutdown, "
                                 "cf. pytorch/pytorch#69520; its C++ stack trace is cut)\n", out)
+        # started at once, whether one "node" still waits for the other when the launcher says
+        # "waiting for 2 nodes" (after 3 s) depends on the machine's load: the line is not shown
+        shown = _WAITING.sub("", shown)
         print(f"--- node {node} (exit status {p.returncode}) ---\n{shown}", end="", flush=True)
     for p, out in zip(procs, outputs):
         if p.returncode:

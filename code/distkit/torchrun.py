@@ -2,14 +2,17 @@
 
     python -m distkit.torchrun --log-dir RUN_DIR --tee 3 [TORCHRUN OPTIONS] SCRIPT [ARGS...]
 
-takes torchrun's own arguments and differs from `torchrun` in four ways:
+takes torchrun's own arguments and differs from `torchrun` in five ways:
 - the console shows each rank's output as the rank printed it: `--tee 3` keeps a copy of every
   rank's stdout/stderr under RUN_DIR, but torchrun would also tag each console line "[default0]:";
 - torchrun's own log lines (closing signals, "failed (exitcode: 1)") go to RUN_DIR/torchrun.log;
 - when a rank fails, two lines (which rank failed first, its error, where the logs are) replace
   torchrun's ~40-line ChildFailedError traceback, which goes to torchrun.log as well;
 - when torchrun itself is stopped by a signal (SIGTERM: a preemption), one line says so
-  instead of its SignalException traceback.
+  instead of its SignalException traceback, and so does a rendezvous that fails (a node that
+  never came) instead of its RendezvousError traceback;
+- a multi-node launch still waiting for its nodes after a few seconds says so in one line
+  (torchrun waits up to its join timeout, 600 s by default, in silence).
 The ranks' own error output (the traceback a learner needs) stays on the console. Exit status is
 torchrun's: 0, 1 when a rank failed, 128 + the signal's number when stopped by a signal.
 """
@@ -18,12 +21,15 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 from torch.distributed.run import parse_args, run
 
 TEE_TAG = re.compile(r"\[default\d+\]:")  # what --tee puts in front of every line it copies
@@ -53,7 +59,9 @@ def error_of(run_dir: Path, local_rank: int, failure) -> str:
     else the last error-looking line of its stderr log, else its last line (if any)."""
     if isinstance(failure.message, dict):
         return failure.message.get("message", "").strip()
-    logs = sorted(run_dir.glob(f"*/attempt_*/{local_rank}/stderr.log"))
+    # the last attempt's (by number: attempt_10 sorts before attempt_9 as text)
+    logs = sorted(run_dir.glob(f"*/attempt_*/{local_rank}/stderr.log"),
+                  key=lambda log: int(log.parent.parent.name.removeprefix("attempt_")))
     lines = [ln for ln in logs[-1].read_text(errors="replace").splitlines() if ln.strip()] \
         if logs else []
     # an abort in C++ (SIGABRT) says why on a "what():" line; Python's faulthandler then adds
@@ -66,10 +74,46 @@ def error_of(run_dir: Path, local_rank: int, failure) -> str:
     return re.sub(r"^\[rank\d+\]: |^\s*what\(\):\s*", "", line).strip()
 
 
+CALLER_STOPS = "DISTKIT_CALLER_STOPS"  # set by distkit.notebook.launch(): see main()
+NOTICE_AFTER_S = 3  # a multi-node launch still waiting for its nodes then says so
+
+
+def join_timeout(args) -> str:
+    """Seconds a node waits for the others: --rdzv-conf join_timeout=S, else the c10d
+    rendezvous's default (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py)."""
+    conf = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
+    return conf.get("join_timeout", "600")
+
+
+def notice_waiting(args, run_dir: Path, console, done: threading.Event) -> None:
+    """Print one line if the ranks have not started NOTICE_AFTER_S seconds in: the nodes are
+    still meeting (torchrun makes each attempt's log folder once the rendezvous is complete)."""
+    if done.wait(NOTICE_AFTER_S) or any(run_dir.glob("*/attempt_*")):
+        return
+    print(f"run_w_torchrun.sh: waiting for {args.nnodes} nodes at {args.rdzv_endpoint} "
+          f"(rendezvous id '{args.rdzv_id}', up to {join_timeout(args)} s): start the same "
+          f"command on the other nodes", file=console, flush=True)
+
+
+def shown(path: Path) -> str:
+    """A path relative to the current directory when it is under it (shorter to read)."""
+    return os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.log_dir:
         sys.exit("distkit.torchrun: needs --log-dir DIR (torchrun's log and the ranks' logs)")
+    if args.shutdown_timeout is None:  # what torchrun will use (torch/distributed/launcher/api.py)
+        args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    if os.environ.pop(CALLER_STOPS, None):
+        # Launched by distkit.notebook.launch(): interrupting the kernel signals its whole process
+        # group, this process included, and the kernel then stops the launch itself (SIGTERM,
+        # once) to count the ranks it stopped. A no-op handler, not SIG_IGN: the ranks, started
+        # by exec, get the default back (an ignored signal would stay ignored in them).
+        signal.signal(signal.SIGINT, lambda signum, frame: None)
+        args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",")
+                                          if s.strip() != "SIGINT")
     run_dir = Path(args.log_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torchrun_log = run_dir / "torchrun.log"
@@ -82,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         logger.propagate = False
 
     console_err = sys.stderr
+    started = threading.Event()
+    if not args.standalone and args.nnodes != "1":
+        threading.Thread(target=notice_waiting, args=(args, run_dir, console_err, started),
+                         daemon=True).start()
     sys.stdout, sys.stderr = Untagged(sys.stdout), Untagged(sys.stderr)
     try:
         run(args)
@@ -91,19 +139,27 @@ def main(argv: list[str] | None = None) -> int:
         rank, failure = e.get_first_failure()
         how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
                else f"exit code {failure.exitcode}")
-        where = os.path.relpath(run_dir) if run_dir.resolve().is_relative_to(Path.cwd()) \
-            else str(run_dir)
         print(f"run_w_torchrun.sh: rank {rank} failed first ({how}): "
               f"{error_of(run_dir, failure.local_rank, failure)}\n"
               f"run_w_torchrun.sh: exit status 1; every rank's logs and torchrun's report "
-              f"(torchrun.log) are in {where}/", file=console_err, flush=True)
+              f"(torchrun.log) are in {shown(run_dir)}/", file=console_err, flush=True)
         return 1
     except SignalException as e:  # SIGTERM & co. (a preemption): torchrun passed it on
         print(f"run_w_torchrun.sh: torchrun received {e.sigval.name}, sent it to the ranks and "
               f"waited for them to exit (up to {args.shutdown_timeout} s, then SIGKILL)",
               file=console_err, flush=True)
         return 128 + e.sigval  # the shell's convention for "ended by a signal"
+    except RendezvousError as e:  # e.g. a node that never came: after the join timeout
+        with torchrun_log.open("a") as f:
+            f.write(traceback.format_exc())
+        why = (f"not all {args.nnodes} nodes joined within {join_timeout(args)} s"
+               if isinstance(e, RendezvousTimeoutError) else
+               (str(e).strip().splitlines() or [type(e).__name__])[0])
+        print(f"run_w_torchrun.sh: the rendezvous at {args.rdzv_endpoint} failed: {why}; "
+              f"torchrun's report is in {shown(torchrun_log)}", file=console_err, flush=True)
+        return 1
     finally:
+        started.set()
         sys.stdout, sys.stderr = sys.stdout.stream, sys.stderr.stream
     return 0
 
