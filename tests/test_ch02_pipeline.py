@@ -1,12 +1,14 @@
 """Chapter 02's pipeline scripts beyond what its notebook's nbval run proves: distkit.pipe's
-pieces in-process, the N=1 reference against chapter 01's train_single.py, bad input, and the
-GPipe-by-hand exercise (starter stops at its TODO). The notebook asserts naive/pipeline/exercise
-parity and the bubble and memory figures at N=2; `make test-nproc` runs it at N=4.
+pieces in-process, the N=1 reference against chapter 01's train_single.py, the GPipe-by-hand
+exercise (the solution against one process; the starter stops at its TODO), bad input. The
+notebook asserts naive/pipeline parity and the bubble and memory figures at N=2 (its bench is the
+only bench run); `make test-nproc` runs it at N=4, tensor parallelism included.
 Budget: argument checks run in this process (no torch import per case); the three one-process
-runs start at once, without torchrun."""
+runs start at once, without torchrun, beside the solution's one launch."""
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -92,41 +94,50 @@ def test_bad_input_one_line_error(monkeypatch, capsys, script, args, env, messag
     assert status == 2 and message in err.strip().splitlines()[-1], err
 
 
-def test_one_process_reference_and_the_starter(tmp_path):
-    """All at once, plain Python, no torchrun: naive_split.py on one process (a process group of
-    1) must reproduce chapter 01's train_single.py; the GPipe starter stops at its first TODO."""
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """All at once: naive_split.py on one process (a process group of 1), chapter 01's
+    train_single.py and the GPipe starter with plain Python, no torchrun; the GPipe-by-hand
+    solution launched on 2 processes. name -> (exit status, stdout, stderr); "gpipe" -> its JSON."""
+    tmp = tmp_path_factory.mktemp("ch02_pipe")
     one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}
-    done = run_scripts_at_once({
-        "naive1": ("ch02_model_parallel/naive_split.py", ["--json", tmp_path / "n1.json"], one),
-        "single": ("ch01_ddp/train_single.py", ["--json", tmp_path / "single.json"], {}),
-        "starter": ("ch02_model_parallel/exercises/ex02_gpipe_by_hand.py", [], one)})
-    for name in ("naive1", "single"):
-        assert done[name][0] == 0, done[name][2]
-    naive = json.loads((tmp_path / "n1.json").read_text())["losses"]
-    single = json.loads((tmp_path / "single.json").read_text())["losses"]
+    with ThreadPoolExecutor() as pool:  # threads only wait for the subprocesses
+        gpipe = pool.submit(run_json, tmp, 2, "ch02_model_parallel/solutions/ex02_gpipe_by_hand.py",
+                            "--microbatches", 4)
+        plain = pool.submit(run_scripts_at_once, {
+            "naive1": ("ch02_model_parallel/naive_split.py", ["--json", tmp / "n1.json"], one),
+            "single": ("ch01_ddp/train_single.py", ["--json", tmp / "single.json"], {}),
+            "starter": ("ch02_model_parallel/exercises/ex02_gpipe_by_hand.py", [], one)})
+        done = plain.result()
+        for name in ("naive1", "single"):
+            assert done[name][0] == 0, done[name][2]
+        losses = {name: json.loads((tmp / f"{file}.json").read_text())["losses"]
+                  for name, file in (("naive1", "n1"), ("single", "single"))}
+        return {**done, "losses": losses, "gpipe": gpipe.result()}
+
+
+def test_one_process_reference_is_train_single(runs):
+    """naive_split.py on one process must reproduce chapter 01's train_single.py."""
+    naive, single = runs["losses"]["naive1"], runs["losses"]["single"]
     assert len(naive) == len(single) == 32
     assert max(abs(a - b) for a, b in zip(naive, single)) < 1e-6
-    status, _, err = done["starter"]
+
+
+def test_gpipe_by_hand_matches_one_process(runs):
+    """The exercise's solution: 4 micro-batches over send/recv, the losses of one process."""
+    res, out = runs["gpipe"]
+    assert res["microbatches"] == 4 and len(res["losses"]) == 32
+    gap = max(abs(a - b) for a, b in zip(res["losses"], runs["losses"]["naive1"]))
+    assert gap < 1e-4, gap  # the notebook's LOSS_TOL
+    assert sum(s[0] == "F" for s in res["spans"][0]) == 4 * 32  # m forwards per step
+    assert "epoch 1  step  32  loss" in out
+
+
+def test_gpipe_starter_stops_at_its_todo(runs):
+    status, _, err = runs["starter"]
     assert status == 1
     assert "TODO(you) at code/ch02_model_parallel/exercises/ex02_gpipe_by_hand.py" in err
     assert "the forward of micro-batch i" in err
-
-
-def test_bench_on_two_stages(tmp_path):
-    """pipeline_bench.py at N=2 on a small model, one repeat: the memory it measures is exact
-    (GPipe keeps m micro-batches' saved activations, 1F1B p - r) and every setting has spans."""
-    res, _ = run_json(tmp_path, 2, "ch02_model_parallel/pipeline_bench.py", "--layers", 2,
-                      "--hidden", 64, "--mb-size", 2, "--seq", 16, "--microbatches", "1,4",
-                      "--repeats", 1, "--unbalanced", "")
-    assert [(r["schedule"], r["m"]) for r in res["runs"]] == [("gpipe", 1), ("gpipe", 4),
-                                                              ("1f1b", 4)]
-    for r in res["runs"]:
-        assert len(r["spans"]) == 2 and all(0 <= x < 1 for x in r["idle"])
-        assert sum(s[0] == "F" for s in r["spans"][0]) == r["m"]
-    one = res["memory"]["gpipe m=1"]["peak_activation_bytes"]
-    for key, expect in (("gpipe m=4", [4, 4]), ("1f1b m=4", [2, 1])):
-        peaks = res["memory"][key]["peak_activation_bytes"]
-        assert [round(p / o) for p, o in zip(peaks, one)] == expect, (key, peaks, one)
 
 
 def test_notebook_rejects_bad_parameters(tmp_path):
@@ -139,10 +150,24 @@ def test_notebook_rejects_bad_parameters(tmp_path):
 @pytest.mark.second_nproc
 def test_notebook_at_four_processes(tmp_path):
     """Four stages (middle stages in every pipeline, 1F1B holding 4, 3, 2, 1 micro-batches) and
-    one attention head per tensor-parallel rank. On 2 cores the timing checks skip themselves."""
+    one attention head per tensor-parallel rank: the shards and bytes of N=4 from the run's JSON.
+    On 2 cores the timing checks skip themselves."""
     text = run_papermill(tmp_path, "02_model_parallelism.ipynb", "-p", "NPROC", "4",
                          "-p", "LAYERS", "4", "-p", "REPEATS", "1",
                          "-y", "UNBALANCED: [3, 2, 2, 1]")
     assert "1f1b m=8: peak per stage" in text and "[4, 3, 2, 1] micro-batches" in text
     assert "4 stages, layers per rank [[0, 1], [1, 2], [2, 3], [3, 4]]" in text
+    # tensor parallelism at N=4 (the notebook asserts every plan's parity and collective counts)
     assert "parity with the unsharded model in every plan: True" in text
+    tp = json.loads((ROOT / "build" / "ch02" / "tp.json").read_text())
+    h, n, L = tp["hidden"], tp["world_size"], tp["layers"]
+    assert n == 4 and tp["local_shapes"] == {
+        "q_proj": [[h, h], [h // n, h]], "o_proj": [[h, h], [h, h // n]],
+        "gate_proj": [[2 * h, h], [2 * h // n, h]], "down_proj": [[h, 2 * h], [h, 2 * h // n]]}
+    sharded = L * (4 * h * h + 3 * h * 2 * h) * 4  # attention's 4 and the MLP's 3 linears
+    assert tp["param_bytes_per_rank"] == tp["param_bytes_unsharded"] - sharded + sharded // n
+    ring_all_reduce = 2 * (n - 1) * tp["activation_bytes"] // n
+    megatron, seq = tp["plans"]["megatron"], tp["plans"]["sequence"]
+    assert megatron["forward_ring_bytes"] == 2 * L * ring_all_reduce
+    assert seq["forward_ring_bytes"] == megatron["forward_ring_bytes"] + (n - 1) * tp["activation_bytes"] // n
+    assert "[rank 3] q_proj [64, 64] -> [16, 64]  o_proj [64, 64] -> [64, 16]" in text
