@@ -17,6 +17,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT
 from distkit import site
@@ -148,8 +149,9 @@ def test_exercise_files_are_pages_with_highlighted_code(built):
 
 
 def browser() -> str:
-    return next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))),
-                "")
+    """Chromium: SITE_BROWSER (the GitHub workflow's), else Debian's package on PATH."""
+    names = (os.environ.get("SITE_BROWSER", ""), "chromium", "chromium-browser", "google-chrome")
+    return next(filter(None, map(shutil.which, filter(None, names))), "")
 
 
 # Run in the page once it has loaded: what the checks need, written into the DOM for --dump-dom.
@@ -196,3 +198,22 @@ def test_browser_shows_typeset_math_and_every_picture(built):
         assert not result["raw_dollars"], name
         assert result["images"] >= 2 and not result["broken"], (name, result)
         assert shot.stat().st_size > 10_000, f"{shot}: no screenshot"
+
+
+def test_make_site_and_ci_publish_it():
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    proc = subprocess.run(["make", "-n", "-o", ".venv/.installed", "site"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.stdout.splitlines()[-1] == ".venv/bin/python -m distkit.site build/site"
+    # .ci/run installs Debian's chromium (when root with apt-get) before the tests run.
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ci.index("apt-get install -y -qq chromium") < ci.index("make test")
+    # The Pages workflow builds with `make site` and deploys build/site in a job of its own.
+    jobs = yaml.safe_load((ROOT / ".github" / "workflows" / "pages.yml").read_text())["jobs"]
+    build = jobs["build"]["steps"]
+    assert [s["run"] for s in build if "run" in s] == ["make site"]
+    assert [s["with"]["path"] for s in build if "upload-pages-artifact" in s.get("uses", "")] == [
+        "build/site"]
+    assert jobs["deploy"]["needs"] == "build"
+    assert jobs["deploy"]["permissions"] == {"pages": "write", "id-token": "write"}
+    assert [s["uses"].split("@")[0] for s in jobs["deploy"]["steps"]] == ["actions/deploy-pages"]
