@@ -117,6 +117,10 @@ class Chapter:
     summary: list  # up to SUMMARY_LINES lines of Markdown: what the chapter measures
     exercises: list = field(default_factory=list)  # (starter, solution) repository paths
 
+    @property
+    def plain_title(self) -> str:  # for <title> and links: without Markdown's marks
+        return re.sub(r"`|\*\*", "", self.title)
+
 
 def site_path(repo_path: str) -> str:
     """Where a repository file's page (or copy) lies in the site."""
@@ -193,6 +197,7 @@ class Site:
         self.queue: list = []  # repository paths still to write
         self.done: set = set()
         self.chapters = chapters(self.root)
+        self.exporter = Exporter(self.formulas, "")
         env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=False,
                                  keep_trailing_newline=True)
         self.page_template = env.get_template("page.html.j2")
@@ -242,7 +247,8 @@ class Site:
             first.source = re.sub(r"\A\s*#\s+.+\n?", "", first.source)
             first.source = re.sub(r"!\[[^\]]*\]\(" + re.escape(os.path.relpath(
                 chapter.diagram, "notebooks")) + r"\)\n?", "", first.source)
-        body, _ = Exporter(self.formulas, chapter.path).from_notebook_node(nb)
+        self.exporter.source = chapter.path  # the file each formula is reported in
+        body, _ = self.exporter.from_notebook_node(nb)
         here = os.path.dirname(chapter.path)
         header = self.chapter_template.render(
             chapter=chapter, title=markdown(chapter.title, self.formulas, chapter.path)[3:-5],
@@ -251,7 +257,7 @@ class Site:
                      for s in chapter.summary],
             exercises=[[os.path.relpath(p, here) if p else "" for p in pair]
                        for pair in chapter.exercises])
-        self.write(chapter.path, re.sub(r"<[^>]+>", "", chapter.title), header + body, chapter)
+        self.write(chapter.path, chapter.plain_title, header + body, chapter)
 
     def markdown_file(self, repo_path: str) -> None:
         text = (self.root / repo_path).read_text(encoding="utf-8")
