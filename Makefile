@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PYTHONPATH := $(CURDIR)/code
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup check check-python course test test-nproc lab images clean
+.PHONY: setup check check-python course test test-nproc lab images site clean
 
 setup: $(VENV)/.installed
 
@@ -69,6 +69,12 @@ print-%:  # the value of a variable: make -s print-LAB_COMMAND
 # The explanatory diagrams in images/ are drawn by code, so a diagram is fixed and redrawn.
 images: setup
 	$(BIN)/python -m distkit.diagrams
+
+# The course as a static website in build/site/, from the notebooks' stored outputs (nothing is
+# executed; well under a minute): open build/site/index.html, or publish it (the GitHub workflow
+# does, to GitHub Pages from main).
+site: setup
+	$(BIN)/python -m distkit.site build/site
 
 clean:
 	rm -rf build .pytest_cache
