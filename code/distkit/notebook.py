@@ -70,6 +70,7 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     run_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     if ranks is not None:
         run_env["RANKS"] = ranks
+    run_env.update({"COURSE_ALLOW_TRACER": "1"} if stacks_when else {})  # py-spy: dist.allow_tracer
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=run_env)
     if stop_when is not None:
