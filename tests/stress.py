@@ -75,9 +75,13 @@ def main() -> int:
                 rounds_failed += bool(failed)
                 print(f"round {i}/{n}: {len(got) - len(failed)} passed, {len(failed)} failed"
                       f" ({time.monotonic() - t0:.0f} s)", flush=True)
-                if failed:
-                    print("  failed: " + ", ".join(failed) + "\n" + proc.stdout[-4000:],
-                          flush=True)
+                if failed:  # the whole output kept: a timeout and a wrong assert read alike here
+                    log = ROOT / "build" / "stress" / f"round{i}.log"
+                    log.parent.mkdir(parents=True, exist_ok=True)
+                    log.write_text(proc.stdout + proc.stderr)
+                    print("  failed: " + ", ".join(failed) + f"\n  pytest's output: {log}\n"
+                          + "\n".join(ln for ln in proc.stdout.splitlines()
+                                      if ln.startswith(("FAILED", "ERROR"))), flush=True)
     finally:
         for p in busy:
             p.kill()
