@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PYTHONPATH := $(CURDIR)/code
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup check check-python course test test-nproc lab images site clean
+.PHONY: setup check check-python course test test-nproc stress lab images site clean
 
 setup: $(VENV)/.installed
 
@@ -49,6 +49,11 @@ test: setup
 # so kept out of `make test`'s budget; CI (.ci/run, the GitHub workflow) runs both.
 test-nproc: setup
 	$(BIN)/python -m pytest -m second_nproc tests
+
+# The tests that could depend on which rank fails or prints first (failure demos, launcher,
+# restarts), STRESS_N times (default 20) with every core kept busy: not part of `make test`.
+stress: setup
+	$(BIN)/python tests/stress.py
 
 # JupyterLab refuses to start as root (the user in most containers) without --allow-root.
 ALLOW_ROOT = $(if $(filter 0,$(shell id -u)),--allow-root)

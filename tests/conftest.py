@@ -2,6 +2,7 @@
 import ast
 import json
 import os
+import re
 import runpy
 import socket
 import subprocess
@@ -126,6 +127,25 @@ def check_starter(folder: str, name: str, stops: int) -> None:
         return {node.name for node in ast.walk(ast.parse(src))
                 if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
     assert names(starter) == names(solution)
+
+
+def check_stopped_at_todo(proc: subprocess.CompletedProcess, nproc: int, where: str,
+                          what: str) -> None:
+    """A starter launched on `nproc` ranks stopped at its first todo(): every rank says `where`
+    (code/...py:LINE) and `what` on one line, no rank raised (no traceback, no exception line),
+    and the launcher's report names a rank that stopped there. Which rank torchrun sees exit
+    first is a race, so the report may name any of them; todo()'s barrier makes every rank
+    print its line before any exits. A warning logged by a rank's teardown (a glog "W..." line)
+    is not the starter's doing and is not checked."""
+    err = proc.stderr
+    assert proc.returncode != 0
+    todo = [ln for ln in err.splitlines() if ln.startswith("TODO(you) at ")]
+    assert len(todo) == nproc and all(ln.startswith(f"TODO(you) at {where}:") and what in ln
+                                      for ln in todo), err
+    assert "Traceback" not in proc.stdout + err
+    assert not re.search(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)\b", err, re.M), err
+    assert re.search(r"^run_w_torchrun\.sh: rank \d+ failed first \(exit code 1\): TODO\(you\) at "
+                     + re.escape(where) + ":", err, re.M), err
 
 
 def check_same_options(monkeypatch, capsys, template: str) -> None:

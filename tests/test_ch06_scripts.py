@@ -6,15 +6,17 @@ loss against the unigram baseline, the parity across world sizes and the export'
 import json
 import sys
 
+import nbformat
 import pytest
 import torch
 
-from conftest import CODE, run_in_process, run_ok, run_papermill
+from conftest import CODE, ROOT, run_in_process, run_ok, run_papermill
 
 sys.path.insert(0, str(CODE / "ch06_capstone"))
 import corpus  # noqa: E402
 
 SCRIPT = "ch06_capstone/train_llama.py"
+NOTEBOOK = "06_capstone_llama_fsdp2.ipynb"
 
 
 @pytest.mark.parametrize("args, env, message", [
@@ -82,9 +84,27 @@ def test_resume_from_the_last_step(tmp_path):
 @pytest.mark.second_nproc
 def test_notebook_at_three_processes(tmp_path):
     """The chapter at N = 3 (global batch 24, micro-batches of 4: 1, 2 and 3 ranks divide it)."""
-    text = run_papermill(tmp_path, "06_capstone_llama_fsdp2.ipynb", "-p", "NPROC", "3",
-                         "-p", "BATCH", "24", "-p", "MICRO", "4")
-    for line in ["held-out loss falls below the unigram baseline by more than 0.3 nats: True",
-                 "1 process == 3 processes at every step before the preemption",
-                 "the 3-process run, every loss within 0.005: True; every held-out loss: True"]:
-        assert line in text, line
+    run_papermill(tmp_path, NOTEBOOK, "-p", "NPROC", "3", "-p", "BATCH", "24", "-p", "MICRO", "4")
+    check_results(ROOT / "build" / "ch06")
+
+
+def check_results(out) -> None:
+    """What the notebook's runs logged (metrics.jsonl in `out`/a: NPROC processes; `out`/b: one
+    process stopped by SIGTERM, then resumed on two "nodes"), at the notebook's default STEPS
+    and PREEMPT_AT: the held-out loss falls more than 0.3 nats below the unigram baseline, the
+    runs agree to float noise (1e-5 per step) before the preemption and within 5e-3 after it."""
+    params = {}
+    exec(nbformat.read(ROOT / "notebooks" / NOTEBOOK, as_version=4).cells[1].source, params)
+    rows = {run: [json.loads(line) for line in (out / run / "metrics.jsonl").read_text()
+                  .splitlines()] for run in ("a", "b")}
+    train = {run: {r["step"]: r["loss"] for r in rs if "loss" in r} for run, rs in rows.items()}
+    evals = {run: {r["step"]: r["eval_loss"] for r in rs if "eval_loss" in r}
+             for run, rs in rows.items()}
+    steps = list(range(1, params["STEPS"] + 1))
+    assert [r["step"] for r in rows["b"] if "loss" in r] == steps == sorted(train["a"])
+    assert evals["a"][params["STEPS"]] < rows["a"][0]["unigram_loss"] - 0.3
+    before = range(1, params["PREEMPT_AT"] + 1)
+    assert max(abs(train["a"][s] - train["b"][s]) for s in before) < 1e-5
+    assert max(abs(train["a"][s] - train["b"][s]) for s in steps) < 5e-3
+    assert sorted(evals["b"]) == sorted(evals["a"])
+    assert max(abs(evals["a"][s] - evals["b"][s]) for s in evals["a"]) < 5e-3

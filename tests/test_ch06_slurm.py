@@ -58,9 +58,10 @@ def test_dry_run_one_command_per_node(tmp_path, env, nodes, job):
     assert list(cmds) == [f"node{i:03d}" for i in range(1, nodes + 1)]
     assert all(c == cmds["node001"] for c in cmds.values())  # every node runs the same command
     opts, script = split(cmds["node001"])
+    grace = re.search(r"^\s*--shutdown-timeout (\d+) ", SBATCH.read_text(), re.M)[1]
     assert opts == {"--nnodes": str(nodes), "--nproc-per-node": "8", "--rdzv-backend": "c10d",
                     "--rdzv-endpoint": "node001:29500", "--rdzv-id": job,
-                    "--shutdown-timeout": opts["--shutdown-timeout"]}
+                    "--shutdown-timeout": grace}  # the template's value, checked below
     assert {"--preset", "--resume", "--save-every", "--out"} <= set(script)
     assert {"OMP_NUM_THREADS=8", "PYTHONPATH=code"} <= set(proc.stdout.splitlines()[0].split())
     assert str(ROOT) not in proc.stdout and str(tmp_path) not in proc.stdout

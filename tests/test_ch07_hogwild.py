@@ -59,7 +59,7 @@ def test_hogwild_and_synchronous_both_learn(run):
     part1, start = res["part1"], math.log(10)
     for name in ("hogwild", "synchronous", "serial"):
         losses = part1[name]["heldout_loss"]
-        assert losses[-1] < 0.5 < start / 4, name  # "well below": by more than 4x
+        assert losses[-1] < min(0.5, losses[0] / 4), name  # "well below": by more than 4x
         assert part1[name]["samples"][-1] == res["workers"] * res["steps"] * res["batch"]
     # The same initial weights; Hogwild's first point is read while the other worker may
     # already be writing (its samples need not be 0), so only the others start exactly there.

@@ -65,10 +65,24 @@ def test_seed_everything_repeats():
     assert torch.equal(a, torch.randn(3))
 
 
-def test_write_json(tmp_path):
+def test_write_json(tmp_path, monkeypatch):
     write_json(tmp_path / "sub" / "r.json", {"x": [1, 2]})
     assert json.loads((tmp_path / "sub" / "r.json").read_text()) == {"x": [1, 2]}
-    write_json(None, {"ignored": True})  # no path: nothing written, no error
+    monkeypatch.chdir(tmp_path)
+    for no_path in (None, ""):  # a script run without --json: nothing written, no error
+        write_json(no_path, {"ignored": True})
+    assert [p.name for p in tmp_path.rglob("*")] == ["sub", "r.json"]
+
+
+def test_allow_tracer_where_yama_rules():
+    """prctl(PR_SET_PTRACER, ANY) is taken where Linux's Yama rules ptrace (py-spy, a sibling
+    of the ranks, may then read them); without Yama the kernel refuses the call (EINVAL) and
+    nothing needs allowing. In a child process: this one stays as it was."""
+    proc = subprocess.run([sys.executable, "-c", "from distkit.dist import allow_tracer; "
+                           "print(allow_tracer())"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(CODE)}, timeout=60)
+    yama = os.path.exists("/proc/sys/kernel/yama/ptrace_scope")
+    assert proc.stdout.strip() == str(sys.platform.startswith("linux") and yama), proc.stderr
 
 
 def test_diff_shows_added_lines(tmp_path):

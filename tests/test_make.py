@@ -85,6 +85,7 @@ def test_clean_removes_build_and_checkpoints_but_not_the_venv(tmp_path):
 @pytest.mark.parametrize("target, command", [
     ("test", ".venv/bin/python -m pytest --durations=25"),
     ("test-nproc", ".venv/bin/python -m pytest -m second_nproc tests"),
+    ("stress", ".venv/bin/python tests/stress.py"),
     ("course", ".venv/bin/python -m distkit.run_course"),
     ("images", ".venv/bin/python -m distkit.diagrams"),
 ])

@@ -47,6 +47,19 @@ def pick_device(local_rank: int = 0) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+def allow_tracer() -> bool:
+    """Let any process of this user read this one's memory, as `py-spy dump` does. Linux's Yama
+    (kernel.yama.ptrace_scope = 1, Ubuntu's default) allows only a process's ancestors, and
+    py-spy is a sibling of the ranks, not their parent: prctl(PR_SET_PTRACER,
+    PR_SET_PTRACER_ANY) lifts that for this process. True when the kernel took it; False
+    elsewhere (not Linux; or no Yama, where nothing needs lifting)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1)  # <linux/prctl.h>
+    return ctypes.CDLL(None).prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) == 0
+
+
 def setup(timeout_s: float | None = None, cpu_collectives: bool = False) -> DistEnv:
     """Join the process group that torchrun described in our environment variables.
 
@@ -58,6 +71,8 @@ def setup(timeout_s: float | None = None, cpu_collectives: bool = False) -> Dist
         where = script.relative_to(CODE) if script.is_relative_to(CODE) else script
         sys.exit(f"{script.name}: not started by torchrun; "
                  f"run it as: code/run_w_torchrun.sh NPROC {where} ...")
+    if os.environ.get("COURSE_ALLOW_TRACER") == "1":  # launch(stacks_when=...): py-spy will look
+        allow_tracer()
     local_rank = int(os.environ["LOCAL_RANK"])
     device, backend = pick_device(local_rank)
     if device.type == "cuda":

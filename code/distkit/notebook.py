@@ -91,6 +91,7 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     run_env.setdefault("SHUTDOWN_TIMEOUT", str(SHUTDOWN_S))
     grace = int(run_env["SHUTDOWN_TIMEOUT"]) + STOP_GRACE_S
     run_env.update(CALLER_STOPS)
+    run_env.update({"COURSE_ALLOW_TRACER": "1"} if stacks_when else {})  # py-spy: dist.allow_tracer
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=run_env)
     if stop_when is not None:
