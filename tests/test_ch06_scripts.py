@@ -84,7 +84,7 @@ def test_notebook_at_three_processes(tmp_path):
     """The chapter at N = 3 (global batch 24, micro-batches of 4: 1, 2 and 3 ranks divide it)."""
     text = run_papermill(tmp_path, "06_capstone_llama_fsdp2.ipynb", "-p", "NPROC", "3",
                          "-p", "BATCH", "24", "-p", "MICRO", "4")
-    for line in ["held-out loss falls below the unigram baseline by more than 0.3 nats: True",
+    for line in ["held-out loss falls below the unigram baseline by more than 0.1 nats: True",
                  "1 process == 3 processes at every step before the preemption",
                  "the 3-process run, every loss within 0.005: True; every held-out loss: True"]:
         assert line in text, line
