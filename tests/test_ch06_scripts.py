@@ -91,7 +91,7 @@ def test_notebook_at_three_processes(tmp_path):
 def check_results(out) -> None:
     """What the notebook's runs logged (metrics.jsonl in `out`/a: NPROC processes; `out`/b: one
     process stopped by SIGTERM, then resumed on two "nodes"), at the notebook's default STEPS
-    and PREEMPT_AT: the held-out loss falls more than 0.3 nats below the unigram baseline, the
+    and PREEMPT_AT: the held-out loss falls more than 0.1 nats below the unigram baseline, the
     runs agree to float noise (1e-5 per step) before the preemption and within 5e-3 after it."""
     params = {}
     exec(nbformat.read(ROOT / "notebooks" / NOTEBOOK, as_version=4).cells[1].source, params)
@@ -102,7 +102,7 @@ def check_results(out) -> None:
              for run, rs in rows.items()}
     steps = list(range(1, params["STEPS"] + 1))
     assert [r["step"] for r in rows["b"] if "loss" in r] == steps == sorted(train["a"])
-    assert evals["a"][params["STEPS"]] < rows["a"][0]["unigram_loss"] - 0.3
+    assert evals["a"][params["STEPS"]] < rows["a"][0]["unigram_loss"] - 0.1
     before = range(1, params["PREEMPT_AT"] + 1)
     assert max(abs(train["a"][s] - train["b"][s]) for s in before) < 1e-5
     assert max(abs(train["a"][s] - train["b"][s]) for s in steps) < 5e-3
