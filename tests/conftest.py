@@ -1,5 +1,6 @@
 """Shared test plumbing: paths, and running the course launcher the way a learner would."""
 import ast
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,9 +60,28 @@ def launcher_env(env=None) -> dict:
 
 
 def run_launcher(*args, env=None, timeout=180) -> subprocess.CompletedProcess:
-    """code/run_w_torchrun.sh ARGS...; the timeout keeps a hung launch from hanging the suite."""
-    return subprocess.run([str(LAUNCHER), *map(str, args)], capture_output=True, text=True,
-                          env=launcher_env(env), timeout=timeout)
+    """code/run_w_torchrun.sh ARGS...; the timeout keeps a hung launch from hanging the suite.
+
+    On a timeout the whole launch is stopped, ranks included (they run in sessions of their
+    own, so killing the launcher alone would leave them running): SIGTERM to torchrun, which
+    passes it on, then SIGKILL to whatever of the launch is left 10 s later."""
+    proc = subprocess.Popen([str(LAUNCHER), *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=launcher_env(env))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        family = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        proc.terminate()
+        try:
+            proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in family:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def run_ok(*args, **kwargs) -> subprocess.CompletedProcess:
@@ -90,7 +111,7 @@ def run_scripts_at_once(runs: dict) -> dict:
             [sys.executable, str(CODE / script), *map(str, args)], text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=launcher_env({"PYTHONPATH": str(CODE), **env}))
-    done = {name: p.communicate(timeout=120) for name, p in procs.items()}
+    done = {name: p.communicate(timeout=300) for name, p in procs.items()}
     return {name: (procs[name].returncode, out, err) for name, (out, err) in done.items()}
 
 
