@@ -12,6 +12,16 @@ Sources:
   Models", MLSys 2023 (arXiv:2205.05198, 2022), section 4 and Table 2: activation memory per layer.
 - [PaLM] Chowdhery et al., "PaLM: Scaling Language Modeling with Pathways", 2022
   (arXiv:2204.02311), appendix B: model FLOPs per token, for MFU.
+- [HF Llama] transformers 5.23, models/llama/modeling_llama.py (LlamaRMSNorm, LlamaAttention,
+  LlamaMLP, LlamaDecoderLayer) and loss/loss_utils.py (ForCausalLMLoss): the tensors a Llama
+  saves for its backward, which `llama_layer_saved` counts one by one.
+- [torch SAC] torch 2.13, torch/utils/checkpoint.py, create_selective_checkpoint_contexts: a
+  policy says per operator whether its output is saved or recomputed.
+
+Chapter 03 teaches Korthikanti's per-layer formula (`activation_bytes_per_layer`, GPT-shaped, 16
+bit) and `training_bytes`; the Llama-exact model that refines it is `llama_layer_saved`,
+`llama_rest_saved` and `llama_training_bytes`, checked tensor by tensor against a real
+LlamaDecoderLayer in tests/test_memory.py.
 """
 from __future__ import annotations
 
@@ -62,6 +72,18 @@ FP32_SGD_MOMENTUM = Recipe("fp32 SGD with momentum", 4, 4, 4)
 FP32_SGD = Recipe("fp32 SGD", 4, 4, 0)
 RECIPES = {"fp32": FP32_ADAMW, "mixed": MIXED_ADAMW, "sgd-momentum": FP32_SGD_MOMENTUM,
            "sgd": FP32_SGD}
+
+# The same 16 bytes per parameter, named for the frameworks that keep them (review F3):
+# PyTorch's DDP / ZeroRedundancyOptimizer with torch.autocast keep fp32 weights and gradients
+# (4 + 4) and AdamW's two fp32 moments (8); autocast adds a bf16 copy of every weight it casts,
+# held for the backward (an activation term: `llama_layer_saved`, precision "amp"). FSDP2 with
+# MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) keeps the same fp32 shards at rest;
+# its bf16 copies are transient (`fsdp2_transient_bytes`). DeepSpeed and Megatron-LM keep bf16
+# weights and gradients and fp32 master weights in the optimizer: ZeRO's 2 + 2 + 12.
+TORCH_AMP = Recipe("PyTorch AMP / FSDP2 mixed precision (fp32 weights, grads, AdamW)", 4, 4, 8)
+DEEPSPEED_MEGATRON = Recipe("DeepSpeed / Megatron-LM bf16 (fp32 master in the optimizer)", 2, 2, 12)
+RECIPES.update({"torch-amp": TORCH_AMP, "fsdp2-mixed": TORCH_AMP,
+                "deepspeed": DEEPSPEED_MEGATRON, "megatron": DEEPSPEED_MEGATRON})
 
 STAGES = {0: "DDP (no sharding)", 1: "ZeRO-1: optimizer states sharded",
           2: "ZeRO-2: + gradients sharded", 3: "ZeRO-3: + parameters sharded"}
@@ -200,6 +222,140 @@ def training_bytes(num_params: float, *, world_size: int = 1, stage: int = 0,
         seq, micro_batch, hidden, heads, tensor_parallel=tensor_parallel,
         sequence_parallel=sequence_parallel, recompute=recompute) if layers else 0.0
     out["total"] += out["activations"]
+    return out
+
+
+# --- the Llama-exact model -------------------------------------------------------------------
+# What a transformers LlamaForCausalLM saves for its backward, tensor by tensor ([HF Llama]),
+# for three ways of computing in 16 bits:
+PRECISIONS = {
+    "fp32": "everything in float32",
+    # torch.autocast(bf16) over fp32 weights (PyTorch AMP): the residual stream and RMSNorm stay
+    # fp32; every matmul casts its input and its weight to bf16 (the weight copy is cached)
+    "amp": "fp32 weights, torch.autocast(dtype=bfloat16)",
+    # FSDP2's MixedPrecisionPolicy(param_dtype=bf16) or model.to(bf16): activations bf16, each
+    # RMSNorm upcasts its input to fp32 inside
+    "bf16": "bf16 weights in compute (FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16))",
+}
+ATTENTIONS = {"eager": "softmax(q k^T) v in plain ops: the s x s probabilities are saved",
+              "sdpa": "torch's scaled_dot_product_attention (flash): saves a log-sum-exp instead"}
+CHECKPOINTING = {"none": "every layer keeps what its backward needs",
+                 "selective": "torch's selective checkpointing, SAC_POLICY's operators saved",
+                 "full": "each layer keeps its input; the backward recomputes its forward"}
+# The named policy of selective checkpointing (as torchtitan's "op" mode, without its
+# every-other-matmul rule): save the outputs of the matmuls and of the fused attention,
+# recompute the rest (norms, rotary embedding, SwiGLU's pointwise ops); `sac_context_fn`.
+SAC_POLICY = ("aten.mm.default", "aten._scaled_dot_product_flash_attention.default",
+              "aten._scaled_dot_product_flash_attention_for_cpu.default",
+              "aten._scaled_dot_product_efficient_attention.default",
+              "aten._scaled_dot_product_cudnn_attention.default")
+
+
+def sac_context_fn():
+    """The `context_fn` for torch.utils.checkpoint.checkpoint(use_reentrant=False) that applies
+    SAC_POLICY: pass it in activation_checkpointing_kwargs["context_fn"]."""
+    import functools
+
+    import torch
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    ops = [getattr(getattr(torch.ops.aten, name.split(".")[1]), "default") for name in SAC_POLICY
+           if hasattr(torch.ops.aten, name.split(".")[1])]
+    return functools.partial(create_selective_checkpoint_contexts, ops)
+
+
+def _llama(config):
+    c = SimpleNamespace(**config) if isinstance(config, dict) else config
+    head = c.hidden_size // c.num_attention_heads
+    return SimpleNamespace(h=c.hidden_size, i=c.intermediate_size, a=c.num_attention_heads,
+                           kv=c.num_key_value_heads * head, head=head, v=c.vocab_size,
+                           layers=getattr(c, "num_hidden_layers", 0),
+                           tied=getattr(c, "tie_word_embeddings", False))
+
+
+def _check(precision, attn, ac):
+    for value, known in ((precision, PRECISIONS), (attn, ATTENTIONS), (ac, CHECKPOINTING)):
+        if value not in known:
+            raise ValueError(f"{value!r}: choose from {', '.join(known)}")
+
+
+def llama_layer_saved(config, seq: int, batch: int, *, precision: str = "bf16",
+                      attn: str = "sdpa", ac: str = "none", tensor_parallel: int = 1) -> dict:
+    """Bytes one LlamaDecoderLayer keeps for its backward, by tensor: {what: bytes}.
+
+    T = seq x batch tokens, h hidden, kv = key/value heads x head size (grouped-query), i the
+    MLP's intermediate size, a heads; p = 4 bytes in fp32, else 2.
+    - ac "none", per layer: two RMSNorms, each saving its fp32 input (the fp32 residual, or in
+      bf16 its fp32 upcast) 4Th, the fp32 1/rms 4T and the normalised x (4Th; bf16: 2Th); the
+      matmuls' inputs (fp32 and bf16: each norm's output once, pTh; amp: each of the five
+      q/k/v/gate/up casts its own bf16 copy, 2Th); the attention (below); SwiGLU's gate, up,
+      silu(gate) and product at the intermediate size, 4pTi; with amp, autocast's bf16 copies
+      of the seven weight matrices.
+    - attention "sdpa": q pTh, k and v pT kv each (not repeated to every head), the output pTh
+      (o_proj's input) and an fp32 log-sum-exp per head and token, 4Ta. "eager": q and k, v
+      repeated to all heads 3pTh, o_proj's input pTh, and the probabilities b a s^2 in fp32
+      (4 bytes; amp and bf16 also keep their bf16 cast: 6).
+    - ac "full": the layer's input only (the residual: fp32 but in bf16).
+    - ac "selective" (SAC_POLICY): the input, the seven matmul outputs (q, k, v, o, gate, up,
+      down: p(3Th + 2T kv + 2Ti)) and, with sdpa, the attention's output and log-sum-exp.
+    Tensor parallelism (t ranks, Megatron's column/row split, no sequence parallelism) divides
+    what lives per head or per intermediate column by t; the norms and the matmul inputs are
+    replicated. Not counted: temporaries that live inside one operator, and the tensors the
+    backward of a recomputed layer holds (`llama_training_bytes` adds one recomputed layer).
+    """
+    _check(precision, attn, ac)
+    m, t = _llama(config), tensor_parallel
+    T, p = seq * batch, 4 if precision == "fp32" else 2
+    residual = 2 if precision == "bf16" else 4
+    if ac == "full":
+        return {"layer input": residual * T * m.h}
+    if ac == "selective":
+        out = {"layer input": residual * T * m.h,
+               "matmul outputs (q, k, v, o, gate, up, down)":
+                   p * T * (m.h + 2 * m.kv + 2 * m.i) // t + 2 * p * T * m.h}  # o, down: full h
+        if attn == "sdpa":
+            out["attention output and log-sum-exp"] = (p * T * m.h + 4 * T * m.a) // t
+        return out
+    out = {"2 RMSNorms: fp32 input, 1/rms, normalised":
+               2 * (4 * T * m.h + 4 * T + (2 if precision == "bf16" else 4) * T * m.h),
+           "matmul inputs": (5 * 2 if precision == "amp" else 2 * p) * T * m.h}
+    if attn == "sdpa":
+        out["q, k, v"] = p * T * (m.h + 2 * m.kv) // t
+        out["attention output, log-sum-exp"] = (p * T * m.h + 4 * T * m.a) // t
+    else:
+        out["q, k, v (k and v repeated to every head)"] = 3 * p * T * m.h // t
+        out["o_proj's input (transposed copy)"] = p * T * m.h // t
+        out["attention probabilities"] = (4 if precision == "fp32" else 6) * batch * m.a \
+            * seq * seq // t
+    out["SwiGLU: gate, up, silu, product"] = 4 * p * T * m.i // t
+    if precision == "amp":
+        out["autocast's bf16 weight copies"] = 2 * (2 * m.h * m.h + 2 * m.h * m.kv
+                                                   + 3 * m.h * m.i) // t
+    return out
+
+
+def llama_rest_saved(config, seq: int, batch: int, *, precision: str = "bf16",
+                     ac: str = "none") -> dict:
+    """Bytes the rest of a LlamaForCausalLM keeps for its backward, outside its decoder layers.
+
+    The token ids and the shifted labels (int64, 8T each); the final RMSNorm (as a layer's);
+    the LM head's input (fp32 4Th; bf16 2Th; amp its bf16 copy, 2Th, and autocast's bf16 copy
+    of the head's weight, 2Vh); the loss: transformers' ForCausalLMLoss upcasts the logits to
+    fp32 and cross_entropy keeps its log-softmax, 4TV, and a 4-byte total weight; the rotary
+    cos and sin (s x head size each, shared by every layer; fp32 but in bf16), saved by the
+    layers' ops without checkpointing. The logits themselves are not saved: `llama_training_bytes`
+    adds them where they are alive.
+    """
+    _check(precision, "sdpa", ac)
+    m, T = _llama(config), seq * batch
+    lowp = precision != "fp32"
+    out = {"token ids and labels": 16 * T,
+           "final RMSNorm": 4 * T * m.h + 4 * T + (2 if precision == "bf16" else 4) * T * m.h,
+           "LM head's input": (2 if lowp else 4) * T * m.h,
+           "log-softmax of the fp32 logits (the loss)": 4 * T * m.v + 4}
+    if precision == "amp":
+        out["autocast's bf16 copy of the LM head"] = 2 * m.v * m.h
+    if ac == "none":
+        out["rotary cos, sin"] = 2 * seq * m.head * (2 if precision == "bf16" else 4)
     return out
 
 
