@@ -208,3 +208,38 @@ def test_llama_layer_in_bytes_per_token_and_hidden_unit():
     got = sum(llama_layer_saved(c, s, 1, precision="bf16").values())
     assert got == s * h * (20 + 4 * kv / h + 8 * i / h) + s * (4 * a + 8)
     assert round(got / (s * h)) == 49
+
+
+def test_tensor_parallel_divides_the_model_states_too():
+    """Review F4: 70B over DP 8 x TP 8 holds 1/64 of the 16 bytes per parameter, not 1/8."""
+    from distkit.memory import LLAMA_CONFIGS
+    m = from_config(LLAMA_CONFIGS["70b"])
+    tp = training_bytes(m["num_params"], world_size=8, stage=3, recipe=FP32_ADAMW,
+                        tensor_parallel=8)
+    assert tp["total"] == pytest.approx(16 * m["num_params"] / 64)
+
+
+def test_communication_bytes_with_separate_parameter_and_reduction_dtypes():
+    """Review F5: bf16 gathers and fp32 reduce-scatters: 2 x 2 + 4 = 8 bytes per parameter, the
+    same bytes as DDP's fp32 all-reduce (2 x 4), though 1.5x the values; the root gathered once."""
+    ring = (N - 1) / N
+    ddp = communication_bytes(PSI, N, 0, 4)
+    fsdp = communication_bytes(PSI, N, 3, param_bytes=2, reduce_bytes=4)
+    assert ddp == pytest.approx(fsdp) == pytest.approx(8 * ring * PSI)
+    once = communication_bytes(PSI, N, 3, param_bytes=2, reduce_bytes=4, gathered_once=1e9)
+    assert fsdp - once == pytest.approx(ring * 1e9 * 2)
+
+
+def test_llama_training_bytes_adds_up_and_names_its_moment():
+    from distkit.memory import LLAMA_CONFIGS, llama_training_bytes, llama_parts
+    c = LLAMA_CONFIGS["8b"]
+    assert sum(llama_parts(c)[k] * n for k, n in (("layer", 32), ("root", 1))) == 8_030_261_248
+    for ac in ("none", "selective", "full"):
+        b = llama_training_bytes(c, ranks=8, seq=2048, batch=1, precision="bf16", ac=ac)
+        assert b["Total"] == sum(v for k, v in b.items() if k not in ("Total", "moment"))
+        assert b["OptState"] == 8 * 8_030_261_248 // 8
+    none, full = (llama_training_bytes(c, ranks=64, seq=8192, batch=1, ac=ac)["Total"]
+                  for ac in ("none", "full"))
+    assert full < none
+    with pytest.raises(ValueError):
+        llama_training_bytes(c, ranks=8, seq=2048, batch=1, ac="some")

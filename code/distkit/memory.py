@@ -113,7 +113,8 @@ def model_state_bytes(num_params: float, world_size: int, stage: int,
 
 
 def communication_bytes(num_params: float, world_size: int, stage: int,
-                        bytes_per_value: int = 2) -> float:
+                        bytes_per_value: int = 2, *, param_bytes: int | None = None,
+                        reduce_bytes: int | None = None, gathered_once: float = 0) -> float:
     """Bytes each rank sends per training step for the model states, with ring collectives.
 
     [ZeRO] section 7: DDP all-reduces the gradients, 2 Psi values per rank (reduce-scatter +
@@ -121,11 +122,23 @@ def communication_bytes(num_params: float, world_size: int, stage: int,
     the updated parameters: the same 2 Psi. Stage 3 all-gathers the parameters twice (forward
     and backward) and reduce-scatters the gradients: 3 Psi, 1.5x DDP. Exact ring factors
     (N-1)/N are kept; the paper rounds them to 1. Values are 2 bytes in mixed precision.
+
+    "1.5x" counts values; in bytes the dtypes differ (review F5): FSDP2's MixedPrecisionPolicy
+    (param_dtype=bf16, reduce_dtype=fp32) gathers 2-byte parameters and reduces 4-byte
+    gradients, 2 x 2 + 4 = 8 bytes per parameter, DDP's fp32 all-reduce's 2 x 4 = 8 as well.
+    `param_bytes` and `reduce_bytes` (default: `bytes_per_value`) set the two; `gathered_once`
+    parameters (FSDP2's root with reshard_after_forward=None: embeddings, LM head, final norm)
+    are all-gathered for the forward only.
     """
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of {sorted(STAGES)}, got {stage}")
-    one_pass = (world_size - 1) / world_size * num_params * bytes_per_value
-    return (3 if stage == 3 else 2) * one_pass
+    ring = (world_size - 1) / world_size
+    pb = bytes_per_value if param_bytes is None else param_bytes
+    rb = bytes_per_value if reduce_bytes is None else reduce_bytes
+    if stage == 0:  # the gradients' all-reduce: a reduce-scatter and an all-gather, reduce dtype
+        return 2 * ring * num_params * rb
+    gathers = 2 * num_params - gathered_once if stage == 3 else num_params
+    return ring * (gathers * pb + num_params * rb)
 
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
@@ -215,9 +228,11 @@ def training_bytes(num_params: float, *, world_size: int = 1, stage: int = 0,
                    recompute: str = "none") -> dict[str, float]:
     """The calculator: per-rank bytes of each model state (ZeRO stage `stage` over
     `world_size` data-parallel ranks) plus the activations of `layers` transformer layers for one
-    micro-batch ([Korthikanti], 16-bit), and the total. Leaves out everything the two formulas
-    leave out (see their docstrings), the CUDA context and the allocator's fragmentation."""
-    out = model_state_bytes(num_params, world_size, stage, recipe)
+    micro-batch ([Korthikanti], 16-bit), and the total. Tensor parallelism over
+    `tensor_parallel` ranks divides the model states as well (each rank holds 1/t of every
+    sharded matrix). Leaves out everything the two formulas leave out (see their docstrings),
+    the CUDA context and the allocator's fragmentation; `llama_training_bytes` is the refinement."""
+    out = model_state_bytes(num_params / tensor_parallel, world_size, stage, recipe)
     out["activations"] = layers * activation_bytes_per_layer(
         seq, micro_batch, hidden, heads, tensor_parallel=tensor_parallel,
         sequence_parallel=sequence_parallel, recompute=recompute) if layers else 0.0
@@ -356,6 +371,102 @@ def llama_rest_saved(config, seq: int, batch: int, *, precision: str = "bf16",
         out["autocast's bf16 copy of the LM head"] = 2 * m.v * m.h
     if ac == "none":
         out["rotary cos, sin"] = 2 * seq * m.head * (2 if precision == "bf16" else 4)
+    return out
+
+
+def llama_parts(config) -> dict:
+    """Parameters of one decoder layer and of FSDP2's root module (embedding, LM head unless
+    tied, final norm): the units fully_shard gathers one at a time."""
+    m = _llama(config)
+    layer = 2 * m.h * m.h + 2 * m.h * m.kv + 3 * m.h * m.i + 2 * m.h
+    return {"layer": layer, "root": m.v * m.h * (1 if m.tied else 2) + m.h}
+
+
+def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision: str = "bf16",
+                         attn: str = "sdpa", ac: str = "none", recipe: Recipe = FP32_ADAMW,
+                         tensor_parallel: int = 1, pipeline_parallel: int = 1) -> dict:
+    """Bytes on one FSDP2 rank at the peak of a training step, by FSDPMemTracker's categories.
+
+    FSDP2 shards every decoder layer and the root over `ranks` (reshard_after_forward: layers
+    True, the root None, so the root stays gathered); the step is the steady state (AdamW's
+    state exists). Weights are gathered and gradients computed in the compute dtype (bf16 with
+    precision "bf16", MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), gradients
+    reduce-scattered in fp32. The total is evaluated at each moment where it can peak and the
+    largest is returned, with "moment" naming it:
+    - "loss backward": every layer's saved tensors and the rest's (`llama_layer_saved`,
+      `llama_rest_saved`), the gathered root, the top layer prefetched ("All Gather"), and
+      cross-entropy's two fp32 gradients of the logits, 8TV ("Temp");
+    - "layer j backward" (j = 0 the top): the saved tensors of the L - j layers not yet done, less
+      the SwiGLU product (down_proj's input, freed first); the root and layer j gathered, the
+      next one prefetched, the previous one's fp32 reduce-scatter input, j layers of sharded
+      gradients; in "Temp" the root's gradients (LM head, final norm) and the MLP backward's
+      own: the residual's gradient, three intermediate-size gradients (product, silu, gate/up),
+      down_proj's weight gradient; with checkpointing, the recomputed layer's tensors too;
+    - "embedding backward": every layer's sharded gradients, the root's gradients (LM head and
+      embedding; tied: the two and their sum) and the bottom layer's reduce-scatter input;
+    - "root reduce-scatter": the root's gradients and, in bf16, their fp32 copy to reduce.
+    Tensor and pipeline parallelism (t, pp ranks) divide the model states by t x pp and the
+    layers per rank by pp; activations per `llama_layer_saved(tensor_parallel=t)`; a pipeline
+    stage's in-flight micro-batches are not modelled (pp 1 is what the simulation checks).
+    Sizes in bytes per rank; FSDP2 pads shards to a multiple of `ranks` (ignored here: < 0.1 %).
+    """
+    _check(precision, attn, ac)
+    m, parts = _llama(config), llama_parts(config)
+    t, pp, n, T = tensor_parallel, pipeline_parallel, ranks, seq * batch
+    L = m.layers // pp
+    pb = 2 if precision == "bf16" else 4  # gathered weights and their gradients
+    p, r = (4 if precision == "fp32" else 2), (2 if precision == "bf16" else 4)
+    layer, root = parts["layer"] // t, parts["root"] // t
+    saved = sum(llama_layer_saved(config, seq, batch, precision=precision, attn=attn, ac=ac,
+                                  tensor_parallel=t).values())
+    full = sum(llama_layer_saved(config, seq, batch, precision=precision, attn=attn,
+                                 tensor_parallel=t).values())
+    rest = llama_rest_saved(config, seq, batch, precision=precision, ac=ac)
+    tokens = rest["token ids and labels"]
+    states = model_state_bytes(m.layers * parts["layer"] + parts["root"], n * t * pp, 3, recipe)
+    # checkpointed layers hold their arguments: the rotary cos and sin (saved by ops otherwise)
+    held = 2 * seq * m.head * r if ac != "none" else 0
+    base = {"Sharded Param": states["params"], "OptState": states["optimizer"],
+            "Inputs": tokens // 2}
+    moments = {"loss backward": {
+        "Unsharded Param": root * pb, "All Gather": layer * pb if L else 0,
+        "Activation": L * saved + sum(rest.values()) + held - tokens, "Temp": 8 * T * m.v}}
+    head = (m.v * m.h + m.h) * pb  # the root's gradients after the LM head's backward
+    mlp_backward = r * T * m.h + 3 * p * T * m.i // t + m.h * m.i * pb // t
+    # checkpointing: the layer's forward runs again and its tensors live through its backward
+    # but what selective checkpointing cached (already in saved), its SwiGLU product freed as
+    # above, and the rerun input's gradient, r T h, on top
+    recompute = full - (saved - r * T * m.h) - p * T * m.i // t + r * T * m.h if ac != "none" \
+        else 0
+    for j in range(L):
+        moments[f"layer {j} backward"] = {
+            "Unsharded Param": (root + layer) * pb, "All Gather": layer * pb if j < L - 1 else 0,
+            "Reduce Scatter": layer * 4 if j else 0, "Sharded Grad": j * layer * 4 // n,
+            "Activation": (L - j) * saved + rest.get("rotary cos, sin", held)
+            - (p * T * m.i // t if ac == "none" else 0),
+            "Temp": head + mlp_backward + recompute}
+        # the same layer at the end of its backward: its seven weight gradients all alive (FSDP2
+        # reduce-scatters them together), its saved tensors freed but the first RMSNorm's and
+        # the q/k/v input; four gradients of the residual's size in flight
+        first_norm = (4 * T * m.h + 4 * T + (2 if precision == "bf16" else 4) * T * m.h
+                      + (2 if precision == "bf16" else p) * T * m.h) if ac == "none" else 0
+        moments[f"layer {j} weight gradients"] = {
+            **moments[f"layer {j} backward"],
+            "Activation": (L - j - 1) * saved + first_norm + (saved if ac != "none" else 0)
+            + rest.get("rotary cos, sin", held),
+            "Temp": head + layer * pb + 4 * r * T * m.h + (
+                4 * T * m.h + 4 * T + 4 * T * m.h + p * T * m.h if ac != "none" else 0)}
+    moments["embedding backward"] = {
+        "Unsharded Param": root * pb, "Reduce Scatter": layer * 4, "Sharded Grad": L * layer * 4 // n,
+        "Temp": (3 if m.tied else 2) * m.v * m.h * pb // t + m.h * pb}
+    moments["root reduce-scatter"] = {  # the root's gradients, and their fp32 copy to reduce
+        "Sharded Grad": L * layer * 4 // n, "Unsharded Grad": root * pb,
+        "Temp": root * 4 if pb != 4 else 0}
+    totals = {k: sum(v.values()) for k, v in moments.items()}
+    moment = max(totals, key=totals.get)
+    out = {**base, **moments[moment]}
+    out["Total"] = sum(out.values())
+    out["moment"] = moment
     return out
 
 
