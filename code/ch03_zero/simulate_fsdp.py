@@ -34,12 +34,22 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from distkit import int_list
 from distkit.memory import LLAMA_CONFIGS as MODELS  # Llama 3.2 1B, 3.1 8B and 70B, typed in
 from distkit.memory import sac_context_fn
 
+# Megatron-style tensor parallelism of a LlamaDecoderLayer (q, k, v, gate, up split by
+# columns, o and down by rows: one all-reduce each for attention and MLP, no sequence
+# parallelism). The root (embeddings, LM head) stays whole on the tp ranks, sharded by FSDP
+# over dp only: splitting it (torchtitan's vocabulary-parallel plan) would untie 1B's tied
+# embeddings and needs a vocabulary-parallel loss.
+TP_LAYER = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()}
 LIMITS = ("CPU code paths: AdamW's single-tensor step (no foreach temporaries), no CUDA streams "
           "(no prefetch overlap), no allocator fragmentation, no CUDA context")
 
@@ -59,6 +69,8 @@ parser.add_argument("--checkpoint", action="store_const", dest="ac", const="full
                     help="the same as --ac full")
 parser.add_argument("--attn", choices=["eager", "sdpa"], default="sdpa",
                     help="attention implementation (eager saves the s x s probabilities)")
+parser.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks: a 2-D mesh (ranks / tp data-parallel x tp)")
 parser.add_argument("--json", help="write the bytes per category here")
 args = parser.parse_args()
 try:
@@ -70,6 +82,8 @@ if unknown := sorted({m for m, _ in points} - set(MODELS)):
     parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
 if not points or min(n for _, n in points) < 1 or args.seq < 2 or args.batch < 1:
     parser.error("need --ranks >= 1, --seq >= 2 and --batch >= 1")
+if args.tp < 1 or any(n % args.tp for _, n in points):
+    parser.error(f"--tp {args.tp}: every rank count must be a multiple of it")
 
 with warnings.catch_warnings():  # transformers imports tqdm, which may warn about ipywidgets
     warnings.simplefilter("ignore")
@@ -80,25 +94,38 @@ def category(key) -> str:
     return str(getattr(key, "value", key))
 
 
+def shard(model, mesh, policy):
+    """FSDP2: every decoder layer, then the root (embeddings, final norm, LM head)."""
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
 def simulate(name: str, ranks: int) -> dict:
     """One training step of `name` as rank 0 of `ranks`; bytes by category."""
     start = time.time()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
-    mesh = init_device_mesh("cpu", (ranks,))
+    mesh = init_device_mesh("cpu", (ranks // args.tp, args.tp), mesh_dim_names=("dp", "tp")) \
+        if args.tp > 1 else {"dp": init_device_mesh("cpu", (ranks,))}
     config = LlamaConfig(**MODELS[name], max_position_embeddings=args.seq,
                          attn_implementation=args.attn)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if args.precision == "bf16" else MixedPrecisionPolicy()
-    with FakeTensorMode():
+    fake = FakeTensorMode()
+    with fake:
         model = LlamaForCausalLM(config)
+    if args.tp > 1:  # outside the fake mode: the 2-D mesh's bookkeeping runs on real tensors
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tp"], TP_LAYER)
+        shard(model, mesh["dp"], policy)
+    with fake:
         if args.ac != "none":  # full: each layer keeps its input and reruns its forward in backward
             kwargs = {"use_reentrant": False}
             if args.ac == "selective":  # ...and keeps its matmuls' and attention's outputs
                 kwargs["context_fn"] = sac_context_fn()
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        if args.tp == 1:
+            shard(model, mesh["dp"], policy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq))
         # The first step creates AdamW's state inside optimizer.step(), after the backward: a
@@ -119,7 +146,8 @@ def simulate(name: str, ranks: int) -> dict:
     (device,) = peak
     return {"model": name, "ranks": ranks, "num_params": num_params, "seq": args.seq,
             "batch": args.batch, "checkpoint": args.ac == "full", "ac": args.ac,
-            "precision": args.precision, "attn": args.attn, "seconds": time.time() - start,
+            "precision": args.precision, "attn": args.attn, "tp": args.tp,
+            "seconds": time.time() - start,
             "after_step": {category(k): v for k, v in after_step[device].items()},
             "peak": {category(k): v for k, v in peak[device].items()}}
 

@@ -402,13 +402,22 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
       gradients; in "Temp" the root's gradients (LM head, final norm) and the MLP backward's
       own: the residual's gradient, three intermediate-size gradients (product, silu, gate/up),
       down_proj's weight gradient; with checkpointing, the recomputed layer's tensors too;
+    - "layer j weight gradients": the end of that layer's backward, where its seven weight
+      gradients are all alive (FSDP2 reduce-scatters a layer's gradients together) and its
+      saved tensors gone but the first RMSNorm's and the q/k/v input; four gradients of the
+      residual's size in flight (a count read off the 70B simulation, where this moment is the
+      peak: weight gradients outgrow a layer's activations when h i > T (h + i));
     - "embedding backward": every layer's sharded gradients, the root's gradients (LM head and
       embedding; tied: the two and their sum) and the bottom layer's reduce-scatter input;
     - "root reduce-scatter": the root's gradients and, in bf16, their fp32 copy to reduce.
-    Tensor and pipeline parallelism (t, pp ranks) divide the model states by t x pp and the
-    layers per rank by pp; activations per `llama_layer_saved(tensor_parallel=t)`; a pipeline
-    stage's in-flight micro-batches are not modelled (pp 1 is what the simulation checks).
+    Tensor parallelism (t ranks, the decoder layers split as in `llama_layer_saved`, the root
+    whole on every tp rank and sharded over the `ranks` data-parallel ranks only) divides the
+    layers' states and activations by t; pipeline parallelism (pp stages) the layers per rank,
+    the root counted whole (a first or last stage holds part of it); a stage's in-flight
+    micro-batches are not modelled (pp 1 is what the simulation checks).
     Sizes in bytes per rank; FSDP2 pads shards to a multiple of `ranks` (ignored here: < 0.1 %).
+    Checked against simulate_fsdp.py (tests/test_ch03_scripts.py) for fp32 and bf16, sdpa and
+    eager, every checkpointing mode; precision "amp" and t, pp > 1 are not simulated.
     """
     _check(precision, attn, ac)
     m, parts = _llama(config), llama_parts(config)
@@ -416,14 +425,14 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
     L = m.layers // pp
     pb = 2 if precision == "bf16" else 4  # gathered weights and their gradients
     p, r = (4 if precision == "fp32" else 2), (2 if precision == "bf16" else 4)
-    layer, root = parts["layer"] // t, parts["root"] // t
+    layer, root = parts["layer"] // t, parts["root"]  # the root is not tensor-parallel
     saved = sum(llama_layer_saved(config, seq, batch, precision=precision, attn=attn, ac=ac,
                                   tensor_parallel=t).values())
     full = sum(llama_layer_saved(config, seq, batch, precision=precision, attn=attn,
                                  tensor_parallel=t).values())
     rest = llama_rest_saved(config, seq, batch, precision=precision, ac=ac)
     tokens = rest["token ids and labels"]
-    states = model_state_bytes(m.layers * parts["layer"] + parts["root"], n * t * pp, 3, recipe)
+    states = model_state_bytes(m.layers * parts["layer"] / (t * pp) + parts["root"], n, 3, recipe)
     # checkpointed layers hold their arguments: the rotary cos and sin (saved by ops otherwise)
     held = 2 * seq * m.head * r if ac != "none" else 0
     base = {"Sharded Param": states["params"], "OptState": states["optimizer"],
@@ -458,7 +467,7 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
                 4 * T * m.h + 4 * T + 4 * T * m.h + p * T * m.h if ac != "none" else 0)}
     moments["embedding backward"] = {
         "Unsharded Param": root * pb, "Reduce Scatter": layer * 4, "Sharded Grad": L * layer * 4 // n,
-        "Temp": (3 if m.tied else 2) * m.v * m.h * pb // t + m.h * pb}
+        "Temp": (3 if m.tied else 2) * m.v * m.h * pb + m.h * pb}
     moments["root reduce-scatter"] = {  # the root's gradients, and their fp32 copy to reduce
         "Sharded Grad": L * layer * 4 // n, "Unsharded Grad": root * pb,
         "Temp": root * 4 if pb != 4 else 0}
