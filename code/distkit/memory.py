@@ -417,7 +417,7 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
     micro-batches are not modelled (pp 1 is what the simulation checks).
     Sizes in bytes per rank; FSDP2 pads shards to a multiple of `ranks` (ignored here: < 0.1 %).
     Checked against simulate_fsdp.py (tests/test_ch03_scripts.py) for fp32 and bf16, sdpa and
-    eager, every checkpointing mode; precision "amp" and t, pp > 1 are not simulated.
+    eager, every checkpointing mode, t = 2 on one point; precision "amp" and pp > 1 are not.
     """
     _check(precision, attn, ac)
     m, parts = _llama(config), llama_parts(config)
