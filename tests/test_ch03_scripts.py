@@ -1,7 +1,8 @@
 """Chapter 03's scripts beyond what its notebook's nbval run proves: bad input, and the FSDP2
 simulation against distkit.memory.
 
-Budget: one simulated point (~10 s); no launch. The notebook runs zero_memory.py (every strategy
+Budget: one simulated point (~10 s) and two more at once for chapter 08's grid (~20 s of CPU);
+no launch. The notebook runs zero_memory.py (every strategy
 within 1% of the formulas on every rank, losses = one process, the trackers' "Temp" = DDP's
 gradients, ZeRO-1's shards adding up to DDP's optimizer state: asserted or compared under nbval,
 at N=3 in `make test-nproc`), activations.py and the live simulation points."""
@@ -10,11 +11,13 @@ import json
 import pytest
 
 from conftest import ROOT, run_in_process, run_papermill, run_scripts_at_once
-from distkit.memory import FP32_ADAMW, model_state_bytes
+from distkit.memory import FP32_ADAMW, LLAMA_CONFIGS, llama_training_bytes, model_state_bytes
 
 SIM = "ch03_zero/simulate_fsdp.py"
 RESULTS = ROOT / "code" / "ch03_zero" / "results"
 SWEEP, SWEEP_CKPT = RESULTS / "simulate_fsdp.json", RESULTS / "simulate_fsdp_checkpoint.json"
+GRID = RESULTS / "simulate_grid.json"  # chapter 08: precision x checkpointing
+CATEGORIES = ["params at rest", "params in use", "grads", "optimizer"]
 
 
 @pytest.mark.parametrize("script, args, message", [
@@ -22,6 +25,8 @@ SWEEP, SWEEP_CKPT = RESULTS / "simulate_fsdp.json", RESULTS / "simulate_fsdp_che
     (SIM, ["--ranks", "8,x"], "comma-separated integers"),
     (SIM, ["--ranks", "0"], "--ranks >= 1"),
     (SIM, ["--points", "8b8"], "--points: expected model:ranks pairs"),
+    (SIM, ["--points", "8b:8", "--tp", "3"], "--tp 3: every rank count must be a multiple"),
+    (SIM, ["--ac", "some"], "invalid choice: 'some'"),
     ("ch03_zero/zero_memory.py", ["--strategies", "ddp,zero2"], "unknown strategy zero2"),
     ("ch03_zero/zero_memory.py", ["--hidden", "30"], "--hidden a multiple of 4"),
     ("ch03_zero/activations.py", ["--hidden", "30", "--heads", "4"], "a multiple of --heads"),
@@ -86,3 +91,52 @@ def test_notebook_at_three_processes(tmp_path):
     assert "max |loss - reference| < 1e-05: True" in text and "|loss - reference| < 1e-05: False" not in text
     assert "fsdp2-bf16  max |loss - reference| < 0.01: True" in text
     assert "same bytes as the committed sweep: True" in text
+
+
+# --- chapter 08: the Llama-exact calculator against every committed simulation ---------------
+
+def calculator_for(r):
+    tp = r.get("tp", 1)  # --tp: a (ranks / tp) x tp mesh, FSDP over the first dimension
+    return llama_training_bytes(LLAMA_CONFIGS[r["model"]], ranks=r["ranks"] // tp, seq=r["seq"],
+                                batch=r["batch"], precision=r.get("precision", "fp32"),
+                                tensor_parallel=tp,
+                                attn=r.get("attn", "sdpa"),
+                                ac=r.get("ac", "full" if r["checkpoint"] else "none"))
+
+
+def check_calculator_against(r):
+    """The peak within 10 %, and so each of its categories; a category of a few bytes (the rotary
+    buffers' 256, a scalar's 8) within 1 % of the peak instead."""
+    want, got = calculator_for(r), r["peak"]
+    assert abs(want["Total"] - got["Total"]) <= 0.10 * got["Total"], (r["command"], want["moment"])
+    for category, value in got.items():
+        error = abs(want.get(category, 0) - value)
+        assert error <= max(0.10 * value, 0.01 * got["Total"]), (r["command"], category, value,
+                                                                 want.get(category), want["moment"])
+
+
+@pytest.mark.parametrize("path", [SWEEP, SWEEP_CKPT, GRID])
+def test_calculator_within_10_percent_of_every_committed_simulation(path):
+    sweep = json.loads(path.read_text())
+    for r in sweep["results"]:
+        r.setdefault("command", sweep["command"])
+        check_calculator_against(r)
+
+
+def test_two_grid_points_rerun_to_the_same_bytes(tmp_path):
+    """One bf16 with selective checkpointing, one fp32 with full: simulated again, at once."""
+    points = {"bf16-selective": ["--precision", "bf16", "--ac", "selective"],
+              "fp32-full": ["--precision", "fp32", "--ac", "full"]}
+    runs = run_scripts_at_once({name: (SIM, ["--points", "1b:8", *flags, "--json",
+                                             tmp_path / f"{name}.json"], {})
+                                for name, flags in points.items()})
+    grid = json.loads(GRID.read_text())["results"]
+    for name, flags in points.items():
+        status, out, err = runs[name]
+        assert status == 0, err
+        assert "limits: CPU code paths" in out
+        (fresh,) = json.loads((tmp_path / f"{name}.json").read_text())["results"]
+        committed = next(r for r in grid if (r["model"], r["ranks"], r["precision"], r["ac"])
+                         == ("1b", 8, flags[1], flags[3]))
+        assert fresh["peak"] == committed["peak"] and fresh["after_step"] == committed["after_step"]
+        check_calculator_against({**fresh, "command": name})

@@ -107,3 +107,139 @@ def test_by_category_names_the_trackers_enum_keys():
     Kind = Enum("Kind", {"PARAM": "Parameter", "OPT": "OptState"})
     snapshot = {"cpu": {Kind.PARAM: 8, Kind.OPT: 16, "Total": 24}}
     assert by_category(snapshot, "cpu") == {"Parameter": 8, "OptState": 16, "Total": 24}
+
+
+# --- the Llama-exact model against a real transformers Llama --------------------------------
+# Every dimension different, so that no two tensors' sizes coincide: tokens T = 2 x 24 = 48,
+# h = 64, kv = 2 heads x 16 = 32, i = 176, a = 4, V = 100.
+TINY = dict(vocab_size=100, hidden_size=64, intermediate_size=176, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=False)
+SEQ, BATCH = 24, 2
+
+
+def tiny_llama(layers, attn, precision, ac):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+    from distkit.memory import sac_context_fn
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY, num_hidden_layers=layers, max_position_embeddings=SEQ,
+                         attn_implementation=attn)
+    model = LlamaForCausalLM(config).train()
+    if precision == "bf16":  # what FSDP2's MixedPrecisionPolicy(param_dtype=bf16) computes in
+        model = model.to(torch.bfloat16)
+    if ac != "none":
+        kwargs = {"use_reentrant": False}
+        if ac == "selective":
+            kwargs["context_fn"] = sac_context_fn()
+        model.activation_checkpointing_enable(kwargs)
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=precision == "amp")
+    return model, autocast, torch.randint(0, TINY["vocab_size"], (BATCH, SEQ))
+
+
+def saved_tensor_bytes(layers, attn, precision, ac):
+    """Bytes autograd saves for the backward during one forward, each storage once, the
+    parameters left out: torch.autograd.graph.saved_tensors_hooks sees every saved tensor
+    (inside a checkpointed layer, checkpoint's own hooks take them: only its input shows)."""
+    import torch
+    model, autocast, tokens = tiny_llama(layers, attn, precision, ac)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}  # storage address -> the tensor (kept alive: no address is reused)
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved.setdefault(t.untyped_storage().data_ptr(), t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        model(input_ids=tokens, labels=tokens).loss
+    return sum(t.untyped_storage().nbytes() for t in saved.values())
+
+
+def tracked_activation_bytes(layers, attn, precision, ac):
+    """torch's MemTracker: the "Activation" bytes alive at the end of the forward."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from distkit.memory import by_category
+    model, autocast, tokens = tiny_llama(layers, attn, precision, ac)
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        with autocast:
+            loss = model(input_ids=tokens, labels=tokens).loss
+        snapshot = tracker.get_tracker_snapshot("current")
+        loss.backward()
+    (device,) = snapshot
+    return by_category(snapshot, device)["Activation"]
+
+
+LLAMA_CASES = [(attn, precision) for attn in ("eager", "sdpa") for precision in ("fp32", "amp", "bf16")]
+
+
+@pytest.mark.parametrize("attn, precision", LLAMA_CASES)
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_llama_model_is_every_saved_tensor_of_a_real_llama(attn, precision, ac):
+    """One layer's bytes (the slope over 1 -> 2 layers) and the rest (embedding side, final norm,
+    loss) equal what autograd saves, to the byte."""
+    from distkit.memory import llama_layer_saved, llama_rest_saved
+    one, two = (saved_tensor_bytes(n, attn, precision, ac) for n in (1, 2))
+    layer = sum(llama_layer_saved(TINY, SEQ, BATCH, precision=precision, attn=attn, ac=ac).values())
+    rest = sum(llama_rest_saved(TINY, SEQ, BATCH, precision=precision, ac=ac).values())
+    assert (two - one, one - (two - one)) == (layer, rest)
+
+
+@pytest.mark.parametrize("attn, precision", LLAMA_CASES)
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+def test_llama_layer_model_is_what_memtracker_sees(attn, precision, ac):
+    """The same per layer from torch's MemTracker, selective checkpointing included (its saved
+    outputs live in checkpoint's cache, where saved_tensors_hooks do not see them)."""
+    from distkit.memory import llama_layer_saved
+    one, two = (tracked_activation_bytes(n, attn, precision, ac) for n in (1, 2))
+    assert two - one == sum(llama_layer_saved(TINY, SEQ, BATCH, precision=precision, attn=attn,
+                                              ac=ac).values())
+
+
+def test_llama_layer_in_bytes_per_token_and_hidden_unit():
+    """bf16 + sdpa, per s b h: 20 + 4 kv/h + 8 i/h, plus 4 a + 8 per token (log-sum-exp and two
+    1/rms): 49 for Llama 3.1 8B, where Korthikanti's GPT formula says 34 (chapter 03's review)."""
+    from distkit.memory import LLAMA_CONFIGS, llama_layer_saved
+    c = LLAMA_CONFIGS["8b"]
+    h, kv, i, a, s = 4096, 1024, 14336, 32, 4096
+    assert (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]) == (h, i, a)
+    got = sum(llama_layer_saved(c, s, 1, precision="bf16").values())
+    assert got == s * h * (20 + 4 * kv / h + 8 * i / h) + s * (4 * a + 8)
+    assert round(got / (s * h)) == 49
+
+
+def test_tensor_parallel_divides_the_model_states_too():
+    """Review F4: 70B over DP 8 x TP 8 holds 1/64 of the 16 bytes per parameter, not 1/8."""
+    from distkit.memory import LLAMA_CONFIGS
+    m = from_config(LLAMA_CONFIGS["70b"])
+    tp = training_bytes(m["num_params"], world_size=8, stage=3, recipe=FP32_ADAMW,
+                        tensor_parallel=8)
+    assert tp["total"] == pytest.approx(16 * m["num_params"] / 64)
+
+
+def test_communication_bytes_with_separate_parameter_and_reduction_dtypes():
+    """Review F5: bf16 gathers and fp32 reduce-scatters: 2 x 2 + 4 = 8 bytes per parameter, the
+    same bytes as DDP's fp32 all-reduce (2 x 4), though 1.5x the values; the root gathered once."""
+    ring = (N - 1) / N
+    ddp = communication_bytes(PSI, N, 0, 4)
+    fsdp = communication_bytes(PSI, N, 3, param_bytes=2, reduce_bytes=4)
+    assert ddp == pytest.approx(fsdp) == pytest.approx(8 * ring * PSI)
+    once = communication_bytes(PSI, N, 3, param_bytes=2, reduce_bytes=4, gathered_once=1e9)
+    assert fsdp - once == pytest.approx(ring * 1e9 * 2)
+
+
+def test_llama_training_bytes_adds_up_and_names_its_moment():
+    from distkit.memory import LLAMA_CONFIGS, llama_training_bytes, llama_parts
+    c = LLAMA_CONFIGS["8b"]
+    assert sum(llama_parts(c)[k] * n for k, n in (("layer", 32), ("root", 1))) == 8_030_261_248
+    for ac in ("none", "selective", "full"):
+        b = llama_training_bytes(c, ranks=8, seq=2048, batch=1, precision="bf16", ac=ac)
+        assert b["Total"] == sum(v for k, v in b.items() if k not in ("Total", "moment"))
+        assert b["OptState"] == 8 * 8_030_261_248 // 8
+    none, full = (llama_training_bytes(c, ranks=64, seq=8192, batch=1, ac=ac)["Total"]
+                  for ac in ("none", "full"))
+    assert full < none
+    with pytest.raises(ValueError):
+        llama_training_bytes(c, ranks=8, seq=2048, batch=1, ac="some")

@@ -12,6 +12,16 @@ Sources:
   Models", MLSys 2023 (arXiv:2205.05198, 2022), section 4 and Table 2: activation memory per layer.
 - [PaLM] Chowdhery et al., "PaLM: Scaling Language Modeling with Pathways", 2022
   (arXiv:2204.02311), appendix B: model FLOPs per token, for MFU.
+- [HF Llama] transformers 5.23, models/llama/modeling_llama.py (LlamaRMSNorm, LlamaAttention,
+  LlamaMLP, LlamaDecoderLayer) and loss/loss_utils.py (ForCausalLMLoss): the tensors a Llama
+  saves for its backward, which `llama_layer_saved` counts one by one.
+- [torch SAC] torch 2.13, torch/utils/checkpoint.py, create_selective_checkpoint_contexts: a
+  policy says per operator whether its output is saved or recomputed.
+
+Chapter 03 teaches Korthikanti's per-layer formula (`activation_bytes_per_layer`, GPT-shaped, 16
+bit) and `training_bytes`; the Llama-exact model that refines it is `llama_layer_saved`,
+`llama_rest_saved` and `llama_training_bytes`, checked tensor by tensor against a real
+LlamaDecoderLayer in tests/test_memory.py.
 """
 from __future__ import annotations
 
@@ -63,6 +73,18 @@ FP32_SGD = Recipe("fp32 SGD", 4, 4, 0)
 RECIPES = {"fp32": FP32_ADAMW, "mixed": MIXED_ADAMW, "sgd-momentum": FP32_SGD_MOMENTUM,
            "sgd": FP32_SGD}
 
+# The same 16 bytes per parameter, named for the frameworks that keep them (review F3):
+# PyTorch's DDP / ZeroRedundancyOptimizer with torch.autocast keep fp32 weights and gradients
+# (4 + 4) and AdamW's two fp32 moments (8); autocast adds a bf16 copy of every weight it casts,
+# held for the backward (an activation term: `llama_layer_saved`, precision "amp"). FSDP2 with
+# MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) keeps the same fp32 shards at rest;
+# its bf16 copies are transient (`fsdp2_transient_bytes`). DeepSpeed and Megatron-LM keep bf16
+# weights and gradients and fp32 master weights in the optimizer: ZeRO's 2 + 2 + 12.
+TORCH_AMP = Recipe("PyTorch AMP / FSDP2 mixed precision (fp32 weights, grads, AdamW)", 4, 4, 8)
+DEEPSPEED_MEGATRON = Recipe("DeepSpeed / Megatron-LM bf16 (fp32 master in the optimizer)", 2, 2, 12)
+RECIPES.update({"torch-amp": TORCH_AMP, "fsdp2-mixed": TORCH_AMP,
+                "deepspeed": DEEPSPEED_MEGATRON, "megatron": DEEPSPEED_MEGATRON})
+
 STAGES = {0: "DDP (no sharding)", 1: "ZeRO-1: optimizer states sharded",
           2: "ZeRO-2: + gradients sharded", 3: "ZeRO-3: + parameters sharded"}
 
@@ -91,7 +113,8 @@ def model_state_bytes(num_params: float, world_size: int, stage: int,
 
 
 def communication_bytes(num_params: float, world_size: int, stage: int,
-                        bytes_per_value: int = 2) -> float:
+                        bytes_per_value: int = 2, *, param_bytes: int | None = None,
+                        reduce_bytes: int | None = None, gathered_once: float = 0) -> float:
     """Bytes each rank sends per training step for the model states, with ring collectives.
 
     [ZeRO] section 7: DDP all-reduces the gradients, 2 Psi values per rank (reduce-scatter +
@@ -99,11 +122,23 @@ def communication_bytes(num_params: float, world_size: int, stage: int,
     the updated parameters: the same 2 Psi. Stage 3 all-gathers the parameters twice (forward
     and backward) and reduce-scatters the gradients: 3 Psi, 1.5x DDP. Exact ring factors
     (N-1)/N are kept; the paper rounds them to 1. Values are 2 bytes in mixed precision.
+
+    "1.5x" counts values; in bytes the dtypes differ (review F5): FSDP2's MixedPrecisionPolicy
+    (param_dtype=bf16, reduce_dtype=fp32) gathers 2-byte parameters and reduces 4-byte
+    gradients, 2 x 2 + 4 = 8 bytes per parameter, DDP's fp32 all-reduce's 2 x 4 = 8 as well.
+    `param_bytes` and `reduce_bytes` (default: `bytes_per_value`) set the two; `gathered_once`
+    parameters (FSDP2's root with reshard_after_forward=None: embeddings, LM head, final norm)
+    are all-gathered for the forward only.
     """
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of {sorted(STAGES)}, got {stage}")
-    one_pass = (world_size - 1) / world_size * num_params * bytes_per_value
-    return (3 if stage == 3 else 2) * one_pass
+    ring = (world_size - 1) / world_size
+    pb = bytes_per_value if param_bytes is None else param_bytes
+    rb = bytes_per_value if reduce_bytes is None else reduce_bytes
+    if stage == 0:  # the gradients' all-reduce: a reduce-scatter and an all-gather, reduce dtype
+        return 2 * ring * num_params * rb
+    gathers = 2 * num_params - gathered_once if stage == 3 else num_params
+    return ring * (gathers * pb + num_params * rb)
 
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
@@ -193,13 +228,254 @@ def training_bytes(num_params: float, *, world_size: int = 1, stage: int = 0,
                    recompute: str = "none") -> dict[str, float]:
     """The calculator: per-rank bytes of each model state (ZeRO stage `stage` over
     `world_size` data-parallel ranks) plus the activations of `layers` transformer layers for one
-    micro-batch ([Korthikanti], 16-bit), and the total. Leaves out everything the two formulas
-    leave out (see their docstrings), the CUDA context and the allocator's fragmentation."""
-    out = model_state_bytes(num_params, world_size, stage, recipe)
+    micro-batch ([Korthikanti], 16-bit), and the total. Tensor parallelism over
+    `tensor_parallel` ranks divides the model states as well (each rank holds 1/t of every
+    sharded matrix). Leaves out everything the two formulas leave out (see their docstrings),
+    the CUDA context and the allocator's fragmentation; `llama_training_bytes` is the refinement."""
+    out = model_state_bytes(num_params / tensor_parallel, world_size, stage, recipe)
     out["activations"] = layers * activation_bytes_per_layer(
         seq, micro_batch, hidden, heads, tensor_parallel=tensor_parallel,
         sequence_parallel=sequence_parallel, recompute=recompute) if layers else 0.0
     out["total"] += out["activations"]
+    return out
+
+
+# --- the Llama-exact model -------------------------------------------------------------------
+# What a transformers LlamaForCausalLM saves for its backward, tensor by tensor ([HF Llama]),
+# for three ways of computing in 16 bits:
+PRECISIONS = {
+    "fp32": "everything in float32",
+    # torch.autocast(bf16) over fp32 weights (PyTorch AMP): the residual stream and RMSNorm stay
+    # fp32; every matmul casts its input and its weight to bf16 (the weight copy is cached)
+    "amp": "fp32 weights, torch.autocast(dtype=bfloat16)",
+    # FSDP2's MixedPrecisionPolicy(param_dtype=bf16) or model.to(bf16): activations bf16, each
+    # RMSNorm upcasts its input to fp32 inside
+    "bf16": "bf16 weights in compute (FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16))",
+}
+ATTENTIONS = {"eager": "softmax(q k^T) v in plain ops: the s x s probabilities are saved",
+              "sdpa": "torch's scaled_dot_product_attention (flash): saves a log-sum-exp instead"}
+CHECKPOINTING = {"none": "every layer keeps what its backward needs",
+                 "selective": "torch's selective checkpointing, SAC_POLICY's operators saved",
+                 "full": "each layer keeps its input; the backward recomputes its forward"}
+# The named policy of selective checkpointing (as torchtitan's "op" mode, without its
+# every-other-matmul rule): save the outputs of the matmuls and of the fused attention,
+# recompute the rest (norms, rotary embedding, SwiGLU's pointwise ops); `sac_context_fn`.
+SAC_POLICY = ("aten.mm.default", "aten._scaled_dot_product_flash_attention.default",
+              "aten._scaled_dot_product_flash_attention_for_cpu.default",
+              "aten._scaled_dot_product_efficient_attention.default",
+              "aten._scaled_dot_product_cudnn_attention.default")
+
+
+def sac_context_fn():
+    """The `context_fn` for torch.utils.checkpoint.checkpoint(use_reentrant=False) that applies
+    SAC_POLICY: pass it in activation_checkpointing_kwargs["context_fn"]."""
+    import functools
+
+    import torch
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    ops = [getattr(getattr(torch.ops.aten, name.split(".")[1]), "default") for name in SAC_POLICY
+           if hasattr(torch.ops.aten, name.split(".")[1])]
+    return functools.partial(create_selective_checkpoint_contexts, ops)
+
+
+def _llama(config):
+    c = SimpleNamespace(**config) if isinstance(config, dict) else config
+    head = c.hidden_size // c.num_attention_heads
+    return SimpleNamespace(h=c.hidden_size, i=c.intermediate_size, a=c.num_attention_heads,
+                           kv=c.num_key_value_heads * head, head=head, v=c.vocab_size,
+                           layers=getattr(c, "num_hidden_layers", 0),
+                           tied=getattr(c, "tie_word_embeddings", False))
+
+
+def _check(precision, attn, ac):
+    for value, known in ((precision, PRECISIONS), (attn, ATTENTIONS), (ac, CHECKPOINTING)):
+        if value not in known:
+            raise ValueError(f"{value!r}: choose from {', '.join(known)}")
+
+
+def llama_layer_saved(config, seq: int, batch: int, *, precision: str = "bf16",
+                      attn: str = "sdpa", ac: str = "none", tensor_parallel: int = 1) -> dict:
+    """Bytes one LlamaDecoderLayer keeps for its backward, by tensor: {what: bytes}.
+
+    T = seq x batch tokens, h hidden, kv = key/value heads x head size (grouped-query), i the
+    MLP's intermediate size, a heads; p = 4 bytes in fp32, else 2.
+    - ac "none", per layer: two RMSNorms, each saving its fp32 input (the fp32 residual, or in
+      bf16 its fp32 upcast) 4Th, the fp32 1/rms 4T and the normalised x (4Th; bf16: 2Th); the
+      matmuls' inputs (fp32 and bf16: each norm's output once, pTh; amp: each of the five
+      q/k/v/gate/up casts its own bf16 copy, 2Th); the attention (below); SwiGLU's gate, up,
+      silu(gate) and product at the intermediate size, 4pTi; with amp, autocast's bf16 copies
+      of the seven weight matrices.
+    - attention "sdpa": q pTh, k and v pT kv each (not repeated to every head), the output pTh
+      (o_proj's input) and an fp32 log-sum-exp per head and token, 4Ta. "eager": q and k, v
+      repeated to all heads 3pTh, o_proj's input pTh, and the probabilities b a s^2 in fp32
+      (4 bytes; amp and bf16 also keep their bf16 cast: 6).
+    - ac "full": the layer's input only (the residual: fp32 but in bf16).
+    - ac "selective" (SAC_POLICY): the input, the seven matmul outputs (q, k, v, o, gate, up,
+      down: p(3Th + 2T kv + 2Ti)) and, with sdpa, the attention's output and log-sum-exp.
+    Tensor parallelism (t ranks, Megatron's column/row split, no sequence parallelism) divides
+    what lives per head or per intermediate column by t; the norms and the matmul inputs are
+    replicated. Not counted: temporaries that live inside one operator, and the tensors the
+    backward of a recomputed layer holds (`llama_training_bytes` adds one recomputed layer).
+    """
+    _check(precision, attn, ac)
+    m, t = _llama(config), tensor_parallel
+    T, p = seq * batch, 4 if precision == "fp32" else 2
+    residual = 2 if precision == "bf16" else 4
+    if ac == "full":
+        return {"layer input": residual * T * m.h}
+    if ac == "selective":
+        out = {"layer input": residual * T * m.h,
+               "matmul outputs (q, k, v, o, gate, up, down)":
+                   p * T * (m.h + 2 * m.kv + 2 * m.i) // t + 2 * p * T * m.h}  # o, down: full h
+        if attn == "sdpa":
+            out["attention output and log-sum-exp"] = (p * T * m.h + 4 * T * m.a) // t
+        return out
+    out = {"2 RMSNorms: fp32 input, 1/rms, normalised":
+               2 * (4 * T * m.h + 4 * T + (2 if precision == "bf16" else 4) * T * m.h),
+           "matmul inputs": (5 * 2 if precision == "amp" else 2 * p) * T * m.h}
+    if attn == "sdpa":
+        out["q, k, v"] = p * T * (m.h + 2 * m.kv) // t
+        out["attention output, log-sum-exp"] = (p * T * m.h + 4 * T * m.a) // t
+    else:
+        out["q, k, v (k and v repeated to every head)"] = 3 * p * T * m.h // t
+        out["o_proj's input (transposed copy)"] = p * T * m.h // t
+        out["attention probabilities"] = (4 if precision == "fp32" else 6) * batch * m.a \
+            * seq * seq // t
+    out["SwiGLU: gate, up, silu, product"] = 4 * p * T * m.i // t
+    if precision == "amp":
+        out["autocast's bf16 weight copies"] = 2 * (2 * m.h * m.h + 2 * m.h * m.kv
+                                                   + 3 * m.h * m.i) // t
+    return out
+
+
+def llama_rest_saved(config, seq: int, batch: int, *, precision: str = "bf16",
+                     ac: str = "none") -> dict:
+    """Bytes the rest of a LlamaForCausalLM keeps for its backward, outside its decoder layers.
+
+    The token ids and the shifted labels (int64, 8T each); the final RMSNorm (as a layer's);
+    the LM head's input (fp32 4Th; bf16 2Th; amp its bf16 copy, 2Th, and autocast's bf16 copy
+    of the head's weight, 2Vh); the loss: transformers' ForCausalLMLoss upcasts the logits to
+    fp32 and cross_entropy keeps its log-softmax, 4TV, and a 4-byte total weight; the rotary
+    cos and sin (s x head size each, shared by every layer; fp32 but in bf16), saved by the
+    layers' ops without checkpointing. The logits themselves are not saved: `llama_training_bytes`
+    adds them where they are alive.
+    """
+    _check(precision, "sdpa", ac)
+    m, T = _llama(config), seq * batch
+    lowp = precision != "fp32"
+    out = {"token ids and labels": 16 * T,
+           "final RMSNorm": 4 * T * m.h + 4 * T + (2 if precision == "bf16" else 4) * T * m.h,
+           "LM head's input": (2 if lowp else 4) * T * m.h,
+           "log-softmax of the fp32 logits (the loss)": 4 * T * m.v + 4}
+    if precision == "amp":
+        out["autocast's bf16 copy of the LM head"] = 2 * m.v * m.h
+    if ac == "none":
+        out["rotary cos, sin"] = 2 * seq * m.head * (2 if precision == "bf16" else 4)
+    return out
+
+
+def llama_parts(config) -> dict:
+    """Parameters of one decoder layer and of FSDP2's root module (embedding, LM head unless
+    tied, final norm): the units fully_shard gathers one at a time."""
+    m = _llama(config)
+    layer = 2 * m.h * m.h + 2 * m.h * m.kv + 3 * m.h * m.i + 2 * m.h
+    return {"layer": layer, "root": m.v * m.h * (1 if m.tied else 2) + m.h}
+
+
+def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision: str = "bf16",
+                         attn: str = "sdpa", ac: str = "none", recipe: Recipe = FP32_ADAMW,
+                         tensor_parallel: int = 1, pipeline_parallel: int = 1) -> dict:
+    """Bytes on one FSDP2 rank at the peak of a training step, by FSDPMemTracker's categories.
+
+    FSDP2 shards every decoder layer and the root over `ranks` (reshard_after_forward: layers
+    True, the root None, so the root stays gathered); the step is the steady state (AdamW's
+    state exists). Weights are gathered and gradients computed in the compute dtype (bf16 with
+    precision "bf16", MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), gradients
+    reduce-scattered in fp32. The total is evaluated at each moment where it can peak and the
+    largest is returned, with "moment" naming it:
+    - "loss backward": every layer's saved tensors and the rest's (`llama_layer_saved`,
+      `llama_rest_saved`), the gathered root, the top layer prefetched ("All Gather"), and
+      cross-entropy's two fp32 gradients of the logits, 8TV ("Temp");
+    - "layer j backward" (j = 0 the top): the saved tensors of the L - j layers not yet done, less
+      the SwiGLU product (down_proj's input, freed first); the root and layer j gathered, the
+      next one prefetched, the previous one's fp32 reduce-scatter input, j layers of sharded
+      gradients; in "Temp" the root's gradients (LM head, final norm) and the MLP backward's
+      own: the residual's gradient, three intermediate-size gradients (product, silu, gate/up),
+      down_proj's weight gradient; with checkpointing, the recomputed layer's tensors too;
+    - "layer j weight gradients": the end of that layer's backward, where its seven weight
+      gradients are all alive (FSDP2 reduce-scatters a layer's gradients together) and its
+      saved tensors gone but the first RMSNorm's and the q/k/v input; four gradients of the
+      residual's size in flight (a count read off the 70B simulation, where this moment is the
+      peak: weight gradients outgrow a layer's activations when h i > T (h + i));
+    - "embedding backward": every layer's sharded gradients, the root's gradients (LM head and
+      embedding; tied: the two and their sum) and the bottom layer's reduce-scatter input;
+    - "root reduce-scatter": the root's gradients and, in bf16, their fp32 copy to reduce.
+    Tensor parallelism (t ranks, the decoder layers split as in `llama_layer_saved`, the root
+    whole on every tp rank and sharded over the `ranks` data-parallel ranks only) divides the
+    layers' states and activations by t; pipeline parallelism (pp stages) the layers per rank,
+    the root counted whole (a first or last stage holds part of it); a stage's in-flight
+    micro-batches are not modelled (pp 1 is what the simulation checks).
+    Sizes in bytes per rank; FSDP2 pads shards to a multiple of `ranks` (ignored here: < 0.1 %).
+    Checked against simulate_fsdp.py (tests/test_ch03_scripts.py) for fp32 and bf16, sdpa and
+    eager, every checkpointing mode, t = 2 on one point; precision "amp" and pp > 1 are not.
+    """
+    _check(precision, attn, ac)
+    m, parts = _llama(config), llama_parts(config)
+    t, pp, n, T = tensor_parallel, pipeline_parallel, ranks, seq * batch
+    L = m.layers // pp
+    pb = 2 if precision == "bf16" else 4  # gathered weights and their gradients
+    p, r = (4 if precision == "fp32" else 2), (2 if precision == "bf16" else 4)
+    layer, root = parts["layer"] // t, parts["root"]  # the root is not tensor-parallel
+    saved = sum(llama_layer_saved(config, seq, batch, precision=precision, attn=attn, ac=ac,
+                                  tensor_parallel=t).values())
+    full = sum(llama_layer_saved(config, seq, batch, precision=precision, attn=attn,
+                                 tensor_parallel=t).values())
+    rest = llama_rest_saved(config, seq, batch, precision=precision, ac=ac)
+    tokens = rest["token ids and labels"]
+    states = model_state_bytes(m.layers * parts["layer"] / (t * pp) + parts["root"], n, 3, recipe)
+    # checkpointed layers hold their arguments: the rotary cos and sin (saved by ops otherwise)
+    held = 2 * seq * m.head * r if ac != "none" else 0
+    base = {"Sharded Param": states["params"], "OptState": states["optimizer"],
+            "Inputs": tokens // 2}
+    moments = {"loss backward": {
+        "Unsharded Param": root * pb, "All Gather": layer * pb if L else 0,
+        "Activation": L * saved + sum(rest.values()) + held - tokens, "Temp": 8 * T * m.v}}
+    head = (m.v * m.h + m.h) * pb  # the root's gradients after the LM head's backward
+    mlp_backward = r * T * m.h + 3 * p * T * m.i // t + m.h * m.i * pb // t
+    # checkpointing: the layer's forward runs again and its tensors live through its backward
+    # but what selective checkpointing cached (already in saved), its SwiGLU product freed as
+    # above, and the rerun input's gradient, r T h, on top
+    recompute = full - (saved - r * T * m.h) - p * T * m.i // t + r * T * m.h if ac != "none" \
+        else 0
+    for j in range(L):
+        moments[f"layer {j} backward"] = {
+            "Unsharded Param": (root + layer) * pb, "All Gather": layer * pb if j < L - 1 else 0,
+            "Reduce Scatter": layer * 4 if j else 0, "Sharded Grad": j * layer * 4 // n,
+            "Activation": (L - j) * saved + rest.get("rotary cos, sin", held)
+            - (p * T * m.i // t if ac == "none" else 0),
+            "Temp": head + mlp_backward + recompute}
+        # the same layer at the end of its backward: its seven weight gradients all alive (FSDP2
+        # reduce-scatters them together), its saved tensors freed but the first RMSNorm's and
+        # the q/k/v input; four gradients of the residual's size in flight
+        first_norm = (4 * T * m.h + 4 * T + (2 if precision == "bf16" else 4) * T * m.h
+                      + (2 if precision == "bf16" else p) * T * m.h) if ac == "none" else 0
+        moments[f"layer {j} weight gradients"] = {
+            **moments[f"layer {j} backward"],
+            "Activation": (L - j - 1) * saved + first_norm + (saved if ac != "none" else 0)
+            + rest.get("rotary cos, sin", held),
+            "Temp": head + layer * pb + 4 * r * T * m.h + (
+                4 * T * m.h + 4 * T + 4 * T * m.h + p * T * m.h if ac != "none" else 0)}
+    moments["embedding backward"] = {
+        "Unsharded Param": root * pb, "Reduce Scatter": layer * 4, "Sharded Grad": L * layer * 4 // n,
+        "Temp": (3 if m.tied else 2) * m.v * m.h * pb + m.h * pb}
+    moments["root reduce-scatter"] = {  # the root's gradients, and their fp32 copy to reduce
+        "Sharded Grad": L * layer * 4 // n, "Unsharded Grad": root * pb,
+        "Temp": root * 4 if pb != 4 else 0}
+    totals = {k: sum(v.values()) for k, v in moments.items()}
+    moment = max(totals, key=totals.get)
+    out = {**base, **moments[moment]}
+    out["Total"] = sum(out.values())
+    out["moment"] = moment
     return out
 
 
