@@ -2,7 +2,7 @@
 train_ckpt.py and formats.py), and distkit.ckpt.CheckpointDir's rules (atomic commit, checks,
 keep-last-K) on fake folders, in this process. The notebook (nbval) runs the scripts for real:
 train_ckpt.py uninterrupted, killed mid-run, killed inside dcp.save, with a corrupted
-checkpoint, and resharded 2 -> 1, 3, 4; formats.py on a good checkpoint. It asserts every
+checkpoint, and resharded 2 -> 1, 3; formats.py on a good checkpoint. It asserts every
 result (bit-identical resumes, loaded == saved, equal round trips and logits)."""
 import json
 

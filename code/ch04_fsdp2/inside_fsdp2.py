@@ -7,8 +7,10 @@ below, and checks its losses against one process training on the whole global ba
 it measures, on every rank: the bytes it holds at rest (parameters, gradients, AdamW state:
 the storages themselves, padding included), its peak by category during the first step (torch's
 FSDPMemTracker; MemTracker for DDP), and every collective of the second step in order, with its
-bytes, group and the FSDP unit that issued it (distkit.comm.CollectiveLog: CommDebugMode plus
-the profiler's FSDP ranges). Step times go to the JSON only (CPU/gloo: noisy).
+bytes and group (distkit.comm.CollectiveLog, a dispatch mode like CommDebugMode); for the
+configurations in PROFILED also the FSDP unit that issued each and FSDP's own ranges (torch's
+profiler, which costs more than the step itself: only where the chapter reads them). The time of
+each later step, run without any tracker, goes to the JSON only (CPU/gloo: noisy).
 """
 import argparse
 import os
@@ -44,6 +46,7 @@ CONFIGS = {  # name: what differs from "fsdp2" (fully_shard per decoder layer, t
     "offload": "CPUOffloadPolicy: shards, gradients and AdamW on the CPU (GPU only)",
 }
 DEFAULT = [c for c in CONFIGS if c != "offload"]  # offloading to the CPU needs a GPU to offload from
+PROFILED = {"fsdp2", "prefetch", "reshard-root"}  # the configurations whose FSDP units we print
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--configs", default=",".join(DEFAULT), help="comma list of " + ", ".join(CONFIGS))
 parser.add_argument("--layers", type=int, default=4, help="decoder layers")
@@ -144,7 +147,7 @@ def run(config: str) -> dict:
         tracker.track_external(model, optimizer)
     else:
         tracker = FSDPMemTracker(model, optimizer)
-    losses, times = [], []
+    losses, times = [], []  # times: of the steps after the two tracked ones
     for step in range(args.steps):
         start = time.perf_counter()
         if step == 0:  # memory: the first step, where AdamW creates its state
@@ -152,11 +155,11 @@ def run(config: str) -> dict:
                 losses.append(train_step(config, model, optimizer, mine, tracker.reset_mod_stats))
             peak = by_category(tracker.get_tracker_snapshot("peak"), env.device)
         elif step == 1:  # collectives: the second step (the first also initialises)
-            with CollectiveLog(profile=True) as log:
+            with CollectiveLog(profile=config in PROFILED) as log:
                 losses.append(train_step(config, model, optimizer, mine))
         else:
             losses.append(train_step(config, model, optimizer, mine))
-        times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
     # gradients at rest: zero_grad(set_to_none) dropped them; one more backward brings them back
     model(input_ids=mine, labels=mine).loss.backward()
     at_rest = held(model, optimizer)
