@@ -23,8 +23,16 @@ Submodules, imported where needed:
 - `distkit.plots`: pictures shared by the notebooks.
 - `distkit.run_course`: `make course`, every notebook through papermill.
 """
-from .dist import (DistEnv, int_list, pick_device, print0, print_ranks, same_on_all_ranks,
-                   seed_everything, setup, teardown, todo, write_json)
+import importlib
 
 __all__ = ["DistEnv", "int_list", "pick_device", "print0", "print_ranks", "same_on_all_ranks",
            "seed_everything", "setup", "teardown", "todo", "write_json"]
+
+
+def __getattr__(name: str):
+    """`from distkit import setup` loads distkit.dist (and torch) on first use only: the
+    notebooks' kernels, `make course` and `make check` import distkit's other modules without
+    paying for torch (PEP 562)."""
+    if name in __all__:
+        return getattr(importlib.import_module(".dist", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
