@@ -50,6 +50,7 @@ def ddp(module, **kwargs):
 
 if "print" in cases:
     print0("== printing the loss from every rank ==")
+    seed_everything(0)  # rank 0's initial weights (DDP broadcasts them): the same every run
     model = ddp(nn.Linear(4, 3))
     x, y = batch(rank)
     loss = F.cross_entropy(model(x.to(env.device)), y.to(env.device))
