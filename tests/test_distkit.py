@@ -107,9 +107,13 @@ def test_launch_raises_when_the_launch_fails(capsys):
 
 def test_run_course_reports_pass_and_fail(tmp_path):
     """Progress per code cell on stderr, parameters passed through, the kernel's own noise kept
-    out of the console, the table on stdout, exit status 1 when a notebook fails."""
+    out of the console, the table on stdout with wall and CPU seconds (the CPU of the kernel's
+    own children counted too, as torchrun's ranks are), exit status 1 when a notebook fails."""
     import nbformat
-    ok = write_notebook(tmp_path / "01_ok.ipynb", "NPROC = 2", "assert NPROC == 4, NPROC")
+    burn = "import time\nwhile time.process_time() < 1.5: pass"  # a child of the kernel: 1.5 CPU-s
+    ok = write_notebook(tmp_path / "01_ok.ipynb", "NPROC = 2",
+                        "assert NPROC == 4, NPROC\nimport subprocess, sys\n"
+                        f"subprocess.run([sys.executable, '-c', {burn!r}], check=True)")
     nb = nbformat.read(ok, as_version=4)
     nb.cells[0].metadata["tags"] = ["parameters"]
     nbformat.write(nb, ok)
@@ -123,6 +127,13 @@ def test_run_course_reports_pass_and_fail(tmp_path):
     rows = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines()
             if line.startswith("0")}
     assert rows == {"01_ok.ipynb": "pass", "02_bad.ipynb": "FAIL"}
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("notebook"))
+    assert header.split()[-2:] == ["seconds", "CPU-s"]
+    ok_row = next(line.split() for line in proc.stdout.splitlines() if line.startswith("01_ok"))
+    assert float(ok_row[3]) >= 1.5  # the kernel's child burnt 1.5 CPU-s; the kernel some more
+    times = json.loads((tmp_path / "build" / "course_times.json").read_text())
+    assert set(times) == {"01_ok.ipynb"}  # passing notebooks only: the next run's estimate
+    assert times["01_ok.ipynb"]["cpu_seconds"] >= 2 and times["01_ok.ipynb"]["seconds"] >= 0
     assert (tmp_path / "build" / "02_bad.ipynb").exists()  # kept for inspection
     err = proc.stderr.splitlines()
     assert err[0].startswith("Running 2 notebook(s) into ") and "expected about 5 min" in err[0]

@@ -1,9 +1,11 @@
 """Four DDP mistakes, each run for real next to its fix.
 
-    code/run_w_torchrun.sh 2 ch01_ddp/ddp_pitfalls.py --case print    # every rank prints
-    code/run_w_torchrun.sh 2 ch01_ddp/ddp_pitfalls.py --case unused,clip,tokens
+    code/run_w_torchrun.sh 2 ch01_ddp/ddp_pitfalls.py --case print
+    code/run_w_torchrun.sh 2 ch01_ddp/ddp_pitfalls.py --case print,unused,clip,tokens
 
-print:  every rank prints "the loss": N different numbers, in a random order.
+print:  every rank's loss.item() is the loss of its own slice: N different numbers, none of
+        them the training loss (the mean over the ranks). print() on every rank shows them in a
+        random order (chapter 00); here they are gathered in rank order, next to the mean.
 unused: a parameter that forward never uses. DDP waits for its gradient forever and fails at the
         next forward ("Expected to have finished reduction ..."); find_unused_parameters=True
         or static_graph=True fix it.
@@ -47,10 +49,16 @@ def ddp(module, **kwargs):
 
 
 if "print" in cases:
+    print0("== printing the loss from every rank ==")
+    seed_everything(0)  # rank 0's initial weights (DDP broadcasts them): the same every run
     model = ddp(nn.Linear(4, 3))
     x, y = batch(rank)
     loss = F.cross_entropy(model(x.to(env.device)), y.to(env.device))
-    print(f"loss {loss.item():.4f}", flush=True)  # the mistake: every rank, its own slice
+    # the mistake is print(loss.item()) on every rank: its own slice's loss, in a random order
+    print_ranks(f"loss.item() {loss.item():.2f}")
+    mean = loss.detach()
+    dist.all_reduce(mean)
+    print0(f"the training loss, all-reduced / N: {mean.item() / n:.2f}")
 
 
 class TwoHeads(nn.Module):

@@ -2,8 +2,8 @@
 checkpoint, and DDP's knobs (bucket size, find_unused_parameters). New lines say # PLUS.
 
     code/run_w_torchrun.sh 2 ch01_ddp/train_ddp_plus.py --batch-size 2 --accum 4
-    code/run_w_torchrun.sh 2 ch01_ddp/train_ddp_plus.py --epochs 1 --save /tmp/e1.pt
-    code/run_w_torchrun.sh 2 ch01_ddp/train_ddp_plus.py --resume /tmp/e1.pt
+    code/run_w_torchrun.sh 2 ch01_ddp/train_ddp_plus.py --save '/tmp/epoch{epoch}.pt'
+    code/run_w_torchrun.sh 2 ch01_ddp/train_ddp_plus.py --resume /tmp/epoch1.pt
 
 With N processes, --batch-size b and --accum K, every optimizer step sees N*K*b sequences, the
 same ones as train_single.py --batch-size N*K*b.
@@ -29,7 +29,8 @@ parser.add_argument("--samples", type=int, default=256, help="sequences in the d
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--json", help="write per-step losses (and --log-comm records) here")
-parser.add_argument("--save", help="write a checkpoint here at the end (rank 0)")
+parser.add_argument("--save", help="write a checkpoint here at the end of every epoch (rank 0); "
+                                   "{epoch} in the name becomes the epoch's number")  # PLUS
 # PLUS: the options of this script
 parser.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
 parser.add_argument("--sync-micro-batches", action="store_true",
@@ -93,13 +94,13 @@ for epoch in range(first_epoch, args.epochs):
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / env.world_size)
     print0(f"epoch {epoch}  step {len(losses):3d}  loss {losses[-1]:.3f}")
+    if args.save:  # PLUS: after every epoch, as a long run does: a stopped job loses one at most
+        # NEW: one writer. model.module is the plain model: its keys have no "module." prefix.
+        if env.rank == 0:
+            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                        "epoch": epoch + 1, "losses": losses}, args.save.format(epoch=epoch + 1))
+        dist.barrier()  # NEW: nobody reads the checkpoint before it is complete
 
 write_json(args.json, {"losses": losses, "world_size": env.world_size,
                        **({"comm": comm.summary(model)} if comm else {})})
-if args.save:
-    # NEW: one writer. model.module is the plain model: its keys have no "module." prefix.
-    if env.rank == 0:
-        torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                    "epoch": args.epochs, "losses": losses}, args.save)
-    dist.barrier()  # NEW: nobody reads the checkpoint before it is complete
 teardown()

@@ -1,8 +1,11 @@
 """`make course`: execute every notebook in order with papermill, headless, into build/.
 
 Shows progress on stderr (notebook, code cell n of m, seconds so far), then prints a table
-(notebook, pass/fail, seconds) and exits non-zero if any notebook failed; the executed copy of a
-failing notebook stays in build/ for inspection. Each kernel's own messages (startup warnings,
+(notebook, pass/fail, wall seconds, CPU seconds) and exits non-zero if any notebook failed; the
+executed copy of a failing notebook stays in build/ for inspection. CPU seconds are user + system
+time of the notebook's kernel and everything it started (torchrun, every rank), counted once
+they have exited: they vary less than wall seconds with other load on the machine.
+build/course_times.json keeps both per notebook (the next run's estimate). Each kernel's own messages (startup warnings,
 "KeyboardInterrupt caught in kernel" at shutdown, which is normal) go to
 build/<notebook>.kernel.log instead of the console.
 """
@@ -12,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -61,6 +65,22 @@ def code_cells(nb_path: Path, params: dict) -> int:
         int(bool(params) and not injected)
 
 
+def children_cpu() -> float:
+    """User + system CPU seconds of this process's finished children and their descendants.
+
+    The kernel is our child; torchrun and its ranks are its descendants. Each process adds its
+    children's times to its own when it waits for them (the kernel for torchrun, torchrun for
+    the ranks), and ours once papermill has shut the kernel down and reaped it.
+    """
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wall_of(record) -> float:
+    """A notebook's wall seconds in course_times.json (older files hold just the number)."""
+    return record["seconds"] if isinstance(record, dict) else record
+
+
 def minutes(secs: float) -> str:
     return f"{int(secs / 60 + 0.5)} min" if secs >= 90 else f"{secs:.0f} s"
 
@@ -86,7 +106,7 @@ def main(argv=None) -> int:
     # Expected time: this machine's last run of each notebook, else a 2-core laptop's guess.
     times_file = args.out / "course_times.json"
     last = json.loads(times_file.read_text()) if times_file.exists() else {}
-    expected = sum(last.get(nb.name, GUESS_S) for nb in notebooks)
+    expected = sum(wall_of(last.get(nb.name, GUESS_S)) for nb in notebooks)
     basis = "as the last run here" if all(nb.name in last for nb in notebooks) else "on 2 cores"
     out = os.path.relpath(args.out) if args.out.resolve().is_relative_to(Path.cwd()) else args.out
     print(f"Running {len(notebooks)} notebook(s) into {out}/, expected about {minutes(expected)} "
@@ -97,7 +117,7 @@ def main(argv=None) -> int:
     rows = []
     for i, nb in enumerate(notebooks, 1):
         progress.start(f"[{i}/{len(notebooks)}] {nb.name}", code_cells(nb, params))
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), children_cpu()
         try:
             papermill.execute_notebook(
                 nb, args.out / nb.name, parameters=params, cwd=nb.resolve().parent,
@@ -108,19 +128,19 @@ def main(argv=None) -> int:
             status = "FAIL"
             detail = f" in cell {progress.n}: {type(e).__name__}: " + \
                 (str(e).strip().splitlines() or [""])[-1]
-        secs = time.perf_counter() - t0
-        progress.show(f"{status} after {secs:.0f} s{detail}", last=True)
-        rows.append((nb.name, status, secs))
+        secs, cpu = time.perf_counter() - t0, children_cpu() - cpu0
+        progress.show(f"{status} after {secs:.0f} s ({cpu:.0f} CPU-s){detail}", last=True)
+        rows.append((nb.name, status, secs, cpu))
         if status == "pass":
-            last[nb.name] = round(secs)
+            last[nb.name] = {"seconds": round(secs), "cpu_seconds": round(cpu)}
     times_file.write_text(json.dumps(last, indent=1) + "\n")
 
-    width = max([len(n) for n, _, _ in rows] + [8])
-    print(f"\n{'notebook':<{width}}  result  seconds")
-    for name, status, secs in rows:
-        print(f"{name:<{width}}  {status:<6}  {secs:7.1f}")
-    print(f"{'total':<{width}}  {'':<6}  {sum(s for _, _, s in rows):7.1f}")
-    failed = [n for n, s, _ in rows if s != "pass"]
+    width = max([len(row[0]) for row in rows] + [8])
+    print(f"\n{'notebook':<{width}}  result  seconds    CPU-s")
+    for name, status, secs, cpu in rows:
+        print(f"{name:<{width}}  {status:<6}  {secs:7.1f}  {cpu:7.1f}")
+    print(f"{'total':<{width}}  {'':<6}  {sum(r[2] for r in rows):7.1f}  {sum(r[3] for r in rows):7.1f}")
+    failed = [row[0] for row in rows if row[1] != "pass"]
     if failed:
         print(f"failed: {', '.join(failed)} (executed copies in {args.out})", file=sys.stderr)
     return 1 if failed or not rows else 0
