@@ -1,6 +1,5 @@
 """Shared test plumbing: paths, and running the course launcher the way a learner would."""
 import ast
-import contextlib
 import json
 import os
 import re
@@ -8,16 +7,17 @@ import runpy
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE = ROOT / "code"
 LAUNCHER = CODE / "run_w_torchrun.sh"
 sys.path.insert(0, str(CODE))
+from distkit.notebook import stop_launch  # noqa: E402  (needs code/ on the path)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -61,25 +61,18 @@ def launcher_env(env=None) -> dict:
 
 def run_launcher(*args, env=None, timeout=180) -> subprocess.CompletedProcess:
     """code/run_w_torchrun.sh ARGS...; the timeout keeps a hung launch from hanging the suite.
-
-    On a timeout the whole launch is stopped, ranks included (they run in sessions of their
-    own, so killing the launcher alone would leave them running): SIGTERM to torchrun, which
-    passes it on, then SIGKILL to whatever of the launch is left 10 s later."""
+    On a timeout the whole launch is stopped as a notebook's cell stops it (distkit.notebook's
+    stop_launch: the ranks run in sessions of their own, so killing the launcher would leave
+    them running)."""
     proc = subprocess.Popen([str(LAUNCHER), *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=launcher_env(env))
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        family = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
-        proc.terminate()
-        try:
-            proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        for pid in family:
-            with contextlib.suppress(psutil.Error):
-                psutil.Process(pid).kill()
-        proc.communicate()
+        stopper = threading.Thread(target=stop_launch, args=(proc, 10, False))
+        stopper.start()
+        proc.communicate()  # read on meanwhile: torchrun must never block writing its output
+        stopper.join()
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
