@@ -22,11 +22,14 @@ together) in a ring buffer, 2000 entries by default in torch 2.13 (TORCH_FR_BUFF
 when the first group is created). When a collective fails (its timeout), the rank writes the
 buffer to DIR/rank_R for torch's analyser (`python -m torch.distributed.flight_recorder.fr_trace
 DIR`). NCCL's watchdog dumps it by itself on a timeout (to TORCH_FR_DUMP_TEMP_FILE); gloo does
-not, hence the `except` below. (A SIGTERM handler would not help: Python runs it only once the
-collective the rank is blocked in returns.)
+not, hence the `except` below. Both ranks of the hang time out at about the same moment, and
+the first to exit makes torchrun SIGTERM the other, maybe before it has dumped: a SIGTERM handler
+dumps then too (Python runs it once the rank's own timed-out collective has returned).
 """
 import argparse
+import os
 import pickle
+import signal
 from pathlib import Path
 
 import torch
@@ -130,6 +133,8 @@ def main():
 
 env = setup(timeout_s=args.timeout)
 seed_everything(0)
+if args.fr_dir:
+    signal.signal(signal.SIGTERM, lambda signum, _: (dump_flight_record(), os._exit(128 + signum)))
 try:
     main()
 except Exception:
