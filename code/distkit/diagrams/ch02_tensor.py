@@ -3,7 +3,8 @@ and TP combine on a device mesh."""
 from __future__ import annotations
 
 from distkit.diagrams.shapes import (FONT, INK, MONO, SHARED, SMALL, STORE_EDGE, STORE_FACE,
-                                     STORE_INK, arrow, box, canvas, comm, tint, title)
+                                     STORE_INK, arrow, box, canvas, comm, key_boxes, tint,
+                                     title)
 from distkit.plots import RANK_COLORS
 
 
@@ -181,12 +182,7 @@ def sequence_parallel():
              "[B,S,h], a full copy on every rank.\n"
              "TP + SP: [B,S/N,h] per rank, split along the\n"
              "sequence: 1/N of the memory each"))
-    for x, head, body in keys:
-        box(ax, x, ky, 5.0, kh, face="white", edge="0.55", round_=0.04)
-        ax.text(x + 0.15, ky + kh - 0.22, head, fontsize=FONT, fontweight="bold",
-                va="center", color=INK)
-        ax.text(x + 0.15, ky + 0.5, body, fontsize=SMALL + 0.5, va="center", color=INK,
-                linespacing=1.3)
+    key_boxes(ax, keys, ky, kh, w=5.0, head_dy=0.22)
     return fig
 
 

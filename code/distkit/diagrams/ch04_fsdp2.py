@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from distkit.diagrams.shapes import (FAINT, FONT, INK, MONO, SMALL, STORE_INK, arrow, box, canvas,
-                                     comm, rank_region, tint, title)
+                                     comm, key_boxes, rank_region, tint, title)
 from distkit.plots import STATE_COLORS
 
 
@@ -136,12 +136,7 @@ def fsdp_unit_life(n: int = 2):
              "+ P full params from all-gather to reshard;\n"
              "+ P full grads from backward to reduce-scatter.\n"
              "Unit by unit: ~2 layers' full params at a time"))
-    for x, head, body in keys:
-        box(ax, x, by, 5.05, bh, face="white", edge="0.55", round_=0.04)
-        ax.text(x + 0.15, by + bh - 0.2, head, fontsize=FONT, fontweight="bold", va="center",
-                color=INK)
-        ax.text(x + 0.15, by + 0.5, body, fontsize=SMALL + 0.5, va="center", color=INK,
-                linespacing=1.3)
+    key_boxes(ax, keys, by, bh, w=5.05, head_dy=0.2)
     ax.text(width / 2, 0.15, "P: parameters of the unit (elements: × 4 bytes in fp32, × 2 "
             f"in bf16);  d: a weight's first dimension;  N = {n} ranks", ha="center",
             va="center", fontsize=SMALL + 0.5, color="0.3")

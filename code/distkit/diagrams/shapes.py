@@ -113,3 +113,14 @@ def step_mark(ax, x, y0, y1, color, *, width=0.08):
     to y1 on the step boundary x of a timeline."""
     ax.add_patch(Rectangle((x - width / 2, y0), width, y1 - y0, facecolor=color,
                            edgecolor="none", zorder=4))
+
+
+def key_boxes(ax, keys, y, h, *, w, head_dy):
+    """The row of boxes under a diagram that say what it costs and what it saves:
+    `keys` = ((x, heading, body), ...); the heading `head_dy` below each box's top."""
+    for x, head, body in keys:
+        box(ax, x, y, w, h, face="white", edge="0.55", round_=0.04)
+        ax.text(x + 0.15, y + h - head_dy, head, fontsize=FONT, fontweight="bold",
+                va="center", color=INK)
+        ax.text(x + 0.15, y + 0.5, body, fontsize=SMALL + 0.5, va="center", color=INK,
+                linespacing=1.3)
