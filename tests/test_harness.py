@@ -64,3 +64,11 @@ def test_nbval_fails_a_cell_whose_launch_fails(tmp_path):
     proc = _nbval(tmp_path, SETUP + "launch(2, 'ch00_collectives/collectives.py', '--op', 'nope')")
     assert proc.returncode == 1, proc.stdout
     assert "CalledProcessError" in proc.stdout and "1 failed" in proc.stdout
+
+
+def test_launch_output_names_paths_relative_to_the_repo():
+    """Scripts print absolute paths ("exported to /home/me/course/build/ch06/a/hf"): the notebook
+    shows them from the repo root, so a stored output reads the same in every checkout."""
+    from distkit.notebook import ROOT as NB_ROOT, _relative
+    assert _relative(f"exported to {NB_ROOT}/build/ch06/a/hf\n") == "exported to build/ch06/a/hf\n"
+    assert _relative("/elsewhere/build/x") == "/elsewhere/build/x"

@@ -55,6 +55,12 @@ def _shown(arg) -> str:
     return str(arg)
 
 
+def _relative(text: str) -> str:
+    """Output as the learner should read it: the repo's absolute path (this machine's) cut, so a
+    script's "exported to build/ch06/a/hf" reads the same in every checkout."""
+    return text.replace(f"{ROOT}{os.sep}", "")
+
+
 def launch(nproc: int, script: str, *args, ranks: str | None = None,
            env: dict | None = None, expect_failure: bool = False,
            short_tracebacks: bool = False, stop_when=None,
@@ -116,7 +122,7 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
                     continue  # a frame of the traceback
                 in_traceback = False
             if not expect_failure:
-                print(line, end="", flush=True)
+                print(_relative(line), end="", flush=True)
         status = proc.wait()
     except KeyboardInterrupt:  # the kernel was interrupted: stop every rank, say so in one line
         if timer:
@@ -140,7 +146,7 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
                  for ln, nxt in zip(lines, lines[1:] + [""]) if (m := frame.match(ln))]
         errors = sorted({ln for ln in lines
                          if re.match(r"(\[rank\d+\]: )?\w*(Error|Exception): ", ln)})
-        print("".join(sorted(where, key=lambda w: w.split(":")[0]) + errors)
+        print(_relative("".join(sorted(where, key=lambda w: w.split(":")[0]) + errors))
               + f"=> failed with exit status {status}, as expected")
     elif status and not (stop_when is not None and status == 128 + signal.SIGTERM):
         raise subprocess.CalledProcessError(status, cmd, "".join(lines))
@@ -273,7 +279,8 @@ def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 6
         # started at once, whether one "node" still waits for the other when the launcher says
         # "waiting for 2 nodes" (after 3 s) depends on the machine's load: the line is not shown
         shown = _WAITING.sub("", shown)
-        print(f"--- node {node} (exit status {p.returncode}) ---\n{shown}", end="", flush=True)
+        print(f"--- node {node} (exit status {p.returncode}) ---\n{_relative(shown)}", end="",
+              flush=True)
     for p, out in zip(procs, outputs):
         if p.returncode:
             raise subprocess.CalledProcessError(p.returncode, cmd, out)
@@ -300,7 +307,7 @@ def run_python(script: str, *args) -> None:
                             env=env)
     lines = []
     for line in proc.stdout:
-        print(line, end="", flush=True)
+        print(_relative(line), end="", flush=True)
         lines.append(line)
     if proc.wait():
         raise subprocess.CalledProcessError(proc.returncode, cmd, "".join(lines))
