@@ -57,8 +57,9 @@ if args.direct:
 #    prints them all in rank order. Same output every run, but all of it comes from rank 0.
 print_ranks(f"{seen}\nbackend={dist.get_backend()} device={device} "
             f"dist.get_rank()={rank} dist.get_world_size()={dist.get_world_size()}")
-# 6. Two stores, two ports: torchrun's agent listens on the rendezvous store's port
-#    (RDZV_ENDPOINT; --standalone picks a free one) and on the workers' store's, MASTER_PORT.
+
+# 6. Two stores, two ports: on one node (--standalone), torchrun's agent listens on the
+#    rendezvous store's port (a free one) and on the workers' store's, MASTER_PORT.
 if args.ports and rank == 0:
     import psutil
     agent = psutil.Process(os.getppid())  # the torchrun agent started this worker
