@@ -33,6 +33,8 @@ DIRECT = {
                         (2, "--numel must be at least the number of processes (1)")),
     "bench_no_iters": ("allreduce_bench.py", ["--iters", 0], {},
                        (2, "need --iters >= 1")),
+    "bench_no_inner": ("allreduce_bench.py", ["--inner", 0], {},
+                       (2, "need --iters >= 1, --inner >= 1 and --warmup >= 0")),
     "async_no_repeats": ("async_collectives.py", ["--repeats", 0], {},
                          (2, "--numel, --dim and --repeats must be positive")),
     "starter_naive_help": ("exercises/ex00_naive_allreduce.py", ["--help"], {},
@@ -112,6 +114,7 @@ def _validation_cell():
     ({"NPROC": "2"}, "NPROC must be an integer >= 2"),
     ({"NPROC_BIG": 8, "RING_NUMEL": 4}, "RING_NUMEL must be an integer >= NPROC and NPROC_BIG"),
     ({"BENCH_MAX_MB": 0, "BENCH_ITERS": 0}, "BENCH_MAX_MB must be at least 1/1024"),
+    ({"BENCH_INNER": 0}, "BENCH_INNER must be an integer >= 1"),
 ])
 def test_notebook_parameter_checks(override, message):
     params, check = _validation_cell()
@@ -145,7 +148,7 @@ def check_results(out, n: int, ring_numel: int) -> None:
     """What the notebook's scripts wrote (JSON in `out`) on n ranks, against values computed
     here: rank r's input is [10r, 10r + 1, ...], n values."""
     x = [[10 * r + j for j in range(n)] for r in range(n)]
-    ops = json.loads((out / "all_to_all.json").read_text())
+    ops = json.loads((out / "collectives.json").read_text())
     assert ops["world_size"] == n and ops["ops"]["all_reduce"]["before"] == x
     total = [sum(col) for col in zip(*x)]
     assert ops["ops"]["all_reduce"]["after"] == [total] * n

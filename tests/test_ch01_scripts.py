@@ -20,7 +20,7 @@ BAD_INPUT = [  # script, args, extra env, what the one-line error must say
     ("ddp_buckets.py", ["--caps", "25,x"], {}, "--caps wants numbers"),
     ("ddp_memory.py", ["--hidden", "6"], {}, "multiple of 4"),
     ("ddp_pitfalls.py", ["--case", "bogus"], {}, "unknown --case bogus"),
-    ("batchnorm_ddp.py", ["--batch-size", "1"], {}, "at least 2"),
+    ("ddp_pitfalls.py", ["--case", "join,no-join"], {}, "--case no-join fails on purpose"),
 ]
 
 

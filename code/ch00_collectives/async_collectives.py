@@ -4,7 +4,9 @@
 
 `dist.all_reduce(x, async_op=True)` returns at once with a Work handle instead of the finished
 result. `work.is_completed()` asks without blocking; `work.wait()` blocks until the result is in
-x (on CPU/gloo; on GPU/NCCL it makes the current CUDA stream wait instead, see the notebook).
+x on CPU/gloo. On GPU/NCCL, wait() only makes the current CUDA stream wait for NCCL's stream
+(the CPU runs on; torch 2.13's Work.wait docstring), so is_completed() right after it may still
+be False; after torch.cuda.synchronize() it is True. The script records both.
 Between the two the rank may do any work that neither reads nor writes x: that is the overlap
 DDP uses to hide gradient all-reduces behind the rest of backward (chapter 01).
 
@@ -44,13 +46,16 @@ def compute(steps: int) -> torch.Tensor:
     return y
 
 
-def first_look(x: torch.Tensor) -> tuple[dist.Work, bool, bool]:
-    """Start an all-reduce of x, compute meanwhile, wait: the whole API in five lines."""
+def first_look(x: torch.Tensor) -> tuple[dist.Work, bool, bool, bool]:
+    """Start an all-reduce of x, compute meanwhile, wait: the whole API in a few lines."""
     work = dist.all_reduce(x, async_op=True)  # returns at once, with a Work handle
     started = work.is_completed()  # asks without blocking: False while the bytes still move
     compute(4)                     # our own work meanwhile; x stays untouched until wait()
-    work.wait()                    # blocks until the sum is in x (CPU/gloo)
-    return work, started, work.is_completed()
+    work.wait()                    # gloo: blocks until the sum is in x. NCCL: only makes the
+    after_wait = work.is_completed()  # current CUDA stream wait: this may still be False
+    if env.device.type == "cuda":  # block the CPU until the current stream got past wait()
+        torch.cuda.current_stream().synchronize()
+    return work, started, after_wait, work.is_completed()  # now True on every backend
 
 
 def sequential(buf: torch.Tensor, work_fn) -> None:
@@ -92,10 +97,10 @@ def timed(variants: dict, repeats: int) -> dict:
 
 # --- Part 1: the handle, and the result after wait() ---------------------------------------
 x = torch.full((args.numel,), float(rank + 1), device=env.device)
-work, started, done = first_look(x)
+work, started, after_wait, done = first_look(x)
 correct = bool((x == n * (n + 1) / 2).all())  # x started as rank+1: the sum is 1+2+...+N
 print_ranks(f"{type(work).__name__} handle; is_completed() right after the call: {started}; "
-            f"after wait(): {done}; x == 1+2+...+N: {correct}")
+            f"after wait(): {after_wait}; after a device sync: {done}; x == 1+2+...+N: {correct}")
 
 # --- Part 2: does overlap save time here? -----------------------------------------------------
 buf = torch.zeros_like(x)  # zeros stay zeros however often we sum them; the speed is the same
@@ -129,8 +134,8 @@ for work in ("matmuls", "sleep"):
            f"{(seq - perfect) * 1e3:.2f} ms")
 
 checks = [None] * n
-dist.all_gather_object(checks, {"completed_at_start": started, "completed_after_wait": done,
-                                "correct": correct})
+dist.all_gather_object(checks, {"completed_at_start": started, "completed_after_wait": after_wait,
+                                "completed_after_sync": done, "correct": correct})
 write_json(args.json, {"world_size": n, "backend": env.backend, "bytes": buf.numel() * 4,
                        "steps": steps, "dim": args.dim, "checks": checks, "times": times})
 teardown()

@@ -3,6 +3,7 @@
     code/run_w_torchrun.sh 2 ch00_collectives/hello_torchrun.py
     code/run_w_torchrun.sh 2 ch00_collectives/hello_torchrun.py --direct   # ranks also print()
     RANKS=0 code/run_w_torchrun.sh 2 ch00_collectives/hello_torchrun.py --direct
+    code/run_w_torchrun.sh 2 ch00_collectives/hello_torchrun.py --ports  # torchrun's two stores
 """
 import argparse
 import os
@@ -17,6 +18,8 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--direct", action="store_true",
                     help="every rank also print()s one line itself: the lines race each other, "
                          "and torchrun's --local-ranks-filter (RANKS=0) hides the other ranks'")
+parser.add_argument("--ports", action="store_true",
+                    help="rank 0 also lists the TCP ports torchrun (its parent) listens on")
 args = parser.parse_args()
 if "RANK" not in os.environ:
     raise SystemExit("hello_torchrun.py: not started by torchrun; "
@@ -35,9 +38,12 @@ if device.type == "cuda":
 
 # 3. Join the group. With no init_method, init_process_group reads RANK, WORLD_SIZE,
 #    MASTER_ADDR and MASTER_PORT from the environment ("env://"): every rank connects to the
-#    store at MASTER_ADDR:MASTER_PORT (run by torchrun) and waits until all WORLD_SIZE arrived.
-#    A short timeout turns a missing rank into an error instead of a hang.
-dist.init_process_group(backend, timeout=timedelta(seconds=60))
+#    store at MASTER_ADDR:MASTER_PORT (run by torchrun). gloo then connects every pair of ranks,
+#    so it waits until all WORLD_SIZE arrived. NCCL does the same (ncclCommInit) here only when
+#    given device_id; without it NCCL starts lazily, and a missing rank shows only as a hang in
+#    the first collective. A short timeout turns a missing rank into an error instead of a hang.
+dist.init_process_group(backend, timeout=timedelta(seconds=60),
+                        device_id=device if device.type == "cuda" else None)
 rank = dist.get_rank()
 
 # 4. A plain print() goes straight from this process to its own stdout: torchrun shows every
@@ -51,5 +57,15 @@ if args.direct:
 #    prints them all in rank order. Same output every run, but all of it comes from rank 0.
 print_ranks(f"{seen}\nbackend={dist.get_backend()} device={device} "
             f"dist.get_rank()={rank} dist.get_world_size()={dist.get_world_size()}")
+
+# 6. Two stores, two ports: on one node (--standalone), torchrun's agent listens on the
+#    rendezvous store's port (a free one) and on the workers' store's, MASTER_PORT.
+if args.ports and rank == 0:
+    import psutil
+    agent = psutil.Process(os.getppid())  # the torchrun agent started this worker
+    ports = sorted({c.laddr.port for c in agent.net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN})
+    print(f"torchrun (pid {agent.pid}) listens on TCP ports {ports}; "
+          f"MASTER_PORT={os.environ['MASTER_PORT']}", flush=True)
 dist.barrier()  # leave together: nobody closes connections a peer is still using
 dist.destroy_process_group()

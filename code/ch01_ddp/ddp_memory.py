@@ -60,13 +60,18 @@ def measure(batch_size: int, as_view: bool) -> dict:
     with tracker:  # the optimizer creates its state on the first step
         model(input_ids=tokens, labels=tokens).loss.backward()
         optimizer.step()
-        now = tracker.get_tracker_snapshot("current")[env.device]
+        snapshot = tracker.get_tracker_snapshot("current")  # {device: {category: bytes}}
     peak = tracker.get_tracker_snapshot("peak")[env.device]
     # snapshot keys are categories (an enum whose values read "Parameter", "Gradient", ...)
-    now = {getattr(k, "value", k): v for k, v in now.items()}
+    now = {getattr(k, "value", k): v for k, v in snapshot[env.device].items()}
     peak = {getattr(k, "value", k): v for k, v in peak.items()}
+    # AdamW's step counters live on the CPU unless capturable or fused (torch/optim/adam.py,
+    # _init_group): on a GPU they are not in cuda:0's snapshot, so sum the state over devices
+    optimizer_bytes = sum(v for per_device in snapshot.values() for k, v in per_device.items()
+                          if getattr(k, "value", k) == "Optstate")
     grad_storages = dict(storage(p.grad) for p in model.parameters())
-    return {"params": now["Parameter"], "optimizer": now["Optstate"],
+    return {"params": now["Parameter"], "optimizer": optimizer_bytes,
+            "optimizer_on_device": now["Optstate"],
             # distinct storages holding gradients or buckets: with views they are the same ones
             "grads_and_buckets": sum({**grad_storages, **buckets}.values()),
             "grads_tracked": now["Gradient"], "peak_activations": peak["Activation"],

@@ -1,16 +1,18 @@
 """Chapter 01's "before": one process trains a tiny Llama on counting sequences.
 
-    code/run_w_torchrun.sh 1 ch01_ddp/train_single.py --batch-size 16 --json /tmp/single.json
+    PYTHONPATH=code python code/ch01_ddp/train_single.py --batch-size 16 --json /tmp/single.json
 
 A real causal LM (transformers' LlamaForCausalLM, built from a config) with its real loss,
 the cross-entropy of every next token. train_ddp.py is this script plus the lines DDP needs.
+It runs on the device the DDP scripts pick (CUDA when visible; COURSE_DEVICE=cpu forces the
+CPU), so a parity check compares DDP with one process, not one device's rounding with another's.
 """
 import argparse
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from distkit import seed_everything, write_json
+from distkit import pick_device, seed_everything, write_json
 from distkit.toy import counting_data, tiny_llama
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -25,8 +27,9 @@ args = parser.parse_args()
 if args.batch_size < 1 or args.samples < args.batch_size:
     parser.error("need 1 <= --batch-size <= --samples")
 
+device = pick_device()[0]  # the DDP scripts' device: cuda:0 on a GPU machine, else the CPU
 seed_everything(args.seed)
-model = tiny_llama()
+model = tiny_llama().to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 data = counting_data(args.samples)
 shuffle = torch.Generator()
@@ -37,6 +40,7 @@ losses = []
 for epoch in range(args.epochs):
     shuffle.manual_seed(args.seed + epoch)  # a different order every epoch, the same every run
     for (tokens,) in loader:
+        tokens = tokens.to(device)
         loss = model(input_ids=tokens, labels=tokens).loss  # mean cross-entropy, next token
         loss.backward()
         optimizer.step()

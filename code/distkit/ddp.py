@@ -15,6 +15,15 @@ class CommLog:
     it has been launched: buckets go out in a fixed order, the same on every rank), while
     backward is still running for earlier layers: that is the overlap of communication and
     computation.
+
+    The times are host clocks (time.perf_counter), right for CPU/gloo, where a collective runs on
+    gloo's threads and finishes when its future does. On CUDA/NCCL they are not: the hook only
+    *launches* the all-reduce on NCCL's stream, and torch's Future.then docstring warns that the
+    callback "might be invoked while the async kernels ... haven't yet finished", while the
+    end-of-backward callback marks when backward's kernels were queued. The figures would show
+    near-zero communication, ~100 % hidden. On a GPU read the overlap off a torch.profiler
+    trace (activities CPU + CUDA: the nccl AllReduce kernels on their own stream next to
+    backward's kernels), or time with CUDA events.
     """
 
     def __init__(self):
@@ -78,6 +87,7 @@ def overlap(summary: dict, backward: int) -> dict:
     comm: time during which at least one all-reduce was in flight (the union of the calls'
     intervals); hidden: the part of it before backward's computation ended; exposed: from
     then until the last all-reduce finished, which loss.backward() spends waiting.
+    Host-clock figures: meaningful on CPU/gloo only (see CommLog).
     """
     start, end = summary["backwards"][backward]
     spans = sorted((c["start"], c["end"]) for c in summary["calls"] if c["backward"] == backward)

@@ -49,8 +49,11 @@ def torchrun():
     ax.text(0.55, 4.82, "spawns the workers with their env vars, then monitors them:\n"
             "if one fails, it stops the others and exits non-zero", fontsize=FONT,
             va="center", color="0.2", linespacing=1.3)
-    box(ax, 1.75, 3.88, 2.8, 0.55, "rendezvous + TCP store\non MASTER_ADDR:MASTER_PORT",
-        face=STORE_FACE, edge=STORE_EDGE, size=SMALL + 0.5)
+    # two stores, two ports (torch 2.13, dynamic_rendezvous.py, next_rendezvous): the agents meet
+    # in the rendezvous store; node 0's agent then opens the workers' store on a free port
+    box(ax, 1.55, 3.88, 3.2, 0.55, "rendezvous store: RDZV_ENDPOINT\n"
+        "workers' store: MASTER_ADDR:MASTER_PORT", face=STORE_FACE, edge=STORE_EDGE,
+        size=SMALL + 0.5)
     wy, wh, ww = 1.35, 1.75, 2.2
     _worker(ax, 0.4, wy, ww, wh, 0, _env(0, 0, 2, 2))
     _worker(ax, 3.7, wy, ww, wh, 1, _env(1, 1, 2, 2))
@@ -62,7 +65,7 @@ def torchrun():
     ax.text(5.45, 3.42, "spawn", fontsize=SMALL, color="0.35", va="center", ha="right")
     for x in (2.25, 3.95):
         arrow(ax, (x, top), (x, 3.88), ls="--", color=STORE_INK)
-    ax.text(3.1, 3.47, "init_process_group():\nregister, wait for all", fontsize=SMALL,
+    ax.text(3.1, 3.47, "init_process_group():\nconnect to MASTER_PORT", fontsize=SMALL,
             ha="center", va="center", color=STORE_INK, linespacing=1.25)
     # the backend: workers talk to each other directly
     arrow(ax, (2.6, 2.05), (3.7, 2.05), style="<|-|>", lw=2.4, color="0.25", mutation=14)
@@ -77,7 +80,8 @@ def torchrun():
     box(ax, 6.55, 4.35, 2.1, 1.05, "torchrun agent", face="white", edge=FAINT, ls="--",
         color=FAINT, size=FONT + 1)
     arrow(ax, (6.55, 4.6), (4.55, 4.16), ls="--", color=FAINT, rad=0.25)
-    ax.text(7.6, 4.0, "c10d rendezvous:\njoins node 0's store", fontsize=SMALL, color=FAINT,
+    ax.text(7.6, 4.0, "joins the rendezvous\n(RDZV_ENDPOINT); its\nworkers: MASTER_PORT",
+            fontsize=SMALL, color=FAINT,
             ha="center", va="top", linespacing=1.25)
     for i, y in enumerate((2.35, 1.0)):
         _worker(ax, 6.55, y, 2.1, 1.05, 2 + i, _env(2 + i, i, 4), faint=True)
