@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 from torch.distributed.run import parse_args, run
 
@@ -137,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         with torchrun_log.open("a") as f:
             f.write(traceback.format_exc())  # what torchrun would have printed
         rank, failure = e.get_first_failure()
+        if os.environ.get("TORCHELASTIC_ERROR_FILE") and failure.error_file != "<N/A>":
+            # as torchrun's own main (decorated with @record) does: the root cause's error file
+            # copied to the path the caller named (its error code: the rank's exit status)
+            get_error_handler().dump_error_file(failure.error_file, failure.exitcode)
         how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
                else f"exit code {failure.exitcode}")
         print(f"run_w_torchrun.sh: rank {rank} failed first ({how}): "
