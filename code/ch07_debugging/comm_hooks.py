@@ -326,8 +326,13 @@ for name in DTYPES:
     print0(f"  {name}: the sum's error grows with every doubling of N: "
            f"{all(b > a for a, b in zip(errs, errs[1:]))}; the inputs' rounding alone does not "
            f"grow: {max(casts) <= casts[0]}")
-print0(f"  the real all-reduce at N = {env.world_size} equals the replay, bit for bit: "
-       + ", ".join(f"{name} {r['equal_to_replay']}" for name, r in real.items()))
+if env.world_size == 2:  # one addition: any order gives the same bits
+    print0(f"  the real all-reduce at N = 2 equals the replay, bit for bit: "
+           + ", ".join(f"{name} {r['equal_to_replay']}" for name, r in real.items()))
+else:  # the backend may add in another order: the same error, not the same bits
+    print0(f"  the real all-reduce's error at N = {env.world_size} within 10% of the replay's: "
+           + ", ".join(f"{name} {abs(r['error'] - r['replay']) <= 0.1 * r['replay']}"
+                       for name, r in real.items()))
 if timing:
     print0(f"\nexposed communication: {args.time_steps} steps each with and without "
            "no_sync() timed (seconds in the JSON)")

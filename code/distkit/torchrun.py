@@ -13,7 +13,9 @@ takes torchrun's own arguments and differs from `torchrun` in five ways:
   never came) instead of its RendezvousError traceback;
 - a multi-node launch still waiting for its nodes after a few seconds says so in one line
   (torchrun waits up to its join timeout, 600 s by default, in silence).
-The ranks' own error output (the traceback a learner needs) stays on the console. Exit status is
+As torchrun does (its main is decorated with @record), it copies the first failure's error file
+to TORCHELASTIC_ERROR_FILE when that is set. The ranks' own error output (the traceback a
+learner needs) stays on the console. Exit status is
 torchrun's: 0, 1 when a rank failed, 128 + the signal's number when stopped by a signal.
 """
 from __future__ import annotations
