@@ -4,6 +4,7 @@
     code/run_w_torchrun.sh 2 ch07_debugging/buggy_train.py --bug save   # hangs until the timeout
     TORCH_DISTRIBUTED_DEBUG=DETAIL code/run_w_torchrun.sh 2 ch07_debugging/buggy_train.py --bug gather
     code/run_w_torchrun.sh 2 ch07_debugging/buggy_train.py --bug crash
+    code/run_w_torchrun.sh 2 ch07_debugging/buggy_train.py --bug crash --check-labels
 
 save:   only rank 0 saves the checkpoint, and saving ends with a barrier ("so that no rank reads a
         half-written file"). Rank 0 waits in the barrier, rank 1 in the next step's gradient
@@ -13,18 +14,28 @@ gather: at evaluation every rank all-gathers its predictions, but the ranks hold
         numbers of them (8N - 1 held-out samples on N ranks: the last rank has 7, the others 8).
         Shapes differ between ranks.
 crash:  rank 1 meets a corrupt label (-1) at step 3: cross_entropy raises; torchrun stops the
-        other ranks.
+        other ranks. On the CPU it raises IndexError at once; on a GPU the same label is a
+        device-side assert inside the kernel, reported later ("CUDA error: device-side assert
+        triggered", at the next synchronisation: here the loss's .item()). --check-labels
+        checks every batch's labels on the host, where the data is read, before it goes to the
+        device: a ValueError naming the rank, step and sample, the same on CPU and GPU.
 
 The training itself is hand-rolled data parallelism (chapter 01): each rank computes the
 gradient of its shard of the batch, one all-reduce averages them, every rank steps.
 --fr-dir DIR dumps the flight recorder: every process keeps its last collectives (all groups
 together) in a ring buffer, 2000 entries by default in torch 2.13 (TORCH_FR_BUFFER_SIZE, read
-when the first group is created). When a collective fails (its timeout), the rank writes the
-buffer to DIR/rank_R for torch's analyser (`python -m torch.distributed.flight_recorder.fr_trace
-DIR`). NCCL's watchdog dumps it by itself on a timeout (to TORCH_FR_DUMP_TEMP_FILE); gloo does
-not, hence the `except` below. Both ranks of the hang time out at about the same moment, and
-the first to exit makes torchrun SIGTERM the other, maybe before it has dumped: a SIGTERM handler
-dumps then too (Python runs it once the rank's own timed-out collective has returned).
+when the first group is created), for torch's analyser (`python -m
+torch.distributed.flight_recorder.fr_trace DIR`), one file per rank, DIR/rank_R.
+- NCCL: the rank's watchdog thread dumps it by itself when a collective times out
+  (TORCH_NCCL_DUMP_ON_TIMEOUT, on by default), to TORCH_FR_DUMP_TEMP_FILE + rank (default
+  ~/.cache/torch/comm_lib_trace_rank_R; set below to DIR/rank_ unless given), then takes the
+  process down (TORCH_NCCL_ASYNC_ERROR_HANDLING=3): no Python exception is raised, so the
+  `except` below never runs there, and the script leaves the dump to the watchdog.
+- gloo: the record is kept but not dumped, hence the `except` below: when a collective fails
+  (its timeout), the rank writes the buffer itself. Both ranks of the hang time out at about the
+  same moment, and the first to exit makes torchrun SIGTERM the other, maybe before it has dumped:
+  a SIGTERM handler dumps then too (Python runs it once the rank's own timed-out collective has
+  returned). The script's dumps say so in their "dumped_by" key; the watchdog's have none.
 """
 import argparse
 import os
@@ -48,6 +59,8 @@ parser.add_argument("--save-at", type=int, default=2, help="step after which to 
 parser.add_argument("--timeout", type=float, default=5.0,
                     help="process-group timeout, seconds (torch's default: 30 min for gloo)")
 parser.add_argument("--fr-dir", type=Path, help="record collectives; dump them here on failure")
+parser.add_argument("--check-labels", action="store_true",
+                    help="check each batch's labels on the host before it goes to the device")
 parser.add_argument("--out", type=Path, default=Path("build/ch07/buggy_train"),
                     help="checkpoint folder")
 args = parser.parse_args()
@@ -55,17 +68,22 @@ if not 0 < args.save_at < args.steps:
     parser.error(f"--save-at must be between 1 and --steps - 1, got {args.save_at}")
 if args.timeout <= 0:
     parser.error(f"--timeout must be positive, got {args.timeout}")
+CLASSES = 4
+if args.fr_dir:  # NCCL's watchdog writes its dump to this prefix + rank (it makes no folder)
+    args.fr_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(args.fr_dir / "rank_"))
 
 
-def dump_flight_record():
-    """This rank's flight-recorder buffer, written where fr_trace looks for it (a pickle)."""
-    c10d = torch._C._distributed_c10d
-    raw = c10d._dump_nccl_trace() if env.backend == "nccl" else c10d._dump_fr_trace()
-    dump = pickle.loads(raw)
+def dump_flight_record(why: str):
+    """This rank's flight-recorder buffer, written where fr_trace looks for it (a pickle), on
+    gloo; on NCCL the watchdog writes it (see the docstring)."""
+    if env.backend == "nccl":
+        return
+    dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    dump["dumped_by"] = f"buggy_train.py, {why}"  # (the analyser reads only the keys it knows)
     if "" in dump["pg_config"]:  # gloo's dump (2.13) leaves the default group's name empty, ...
         config = dump["pg_config"].pop("")  # ... which the analyser cannot match with its entries
         dump["pg_config"]["0"] = {**config, "name": "0", "desc": "default_pg"}
-    args.fr_dir.mkdir(parents=True, exist_ok=True)
     (args.fr_dir / f"rank_{dist.get_rank()}").write_bytes(pickle.dumps(dump))
 
 
@@ -82,6 +100,17 @@ def save_checkpoint(model, path):
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), path)
     dist.barrier()  # no rank goes on (and maybe reads it) before the file is complete
+
+
+def check_labels(y, rank: int, step: int):
+    """On the host, where the data is read: a label outside [0, CLASSES) is named here, with its
+    sample, instead of failing inside cross_entropy (on a GPU: an assert in a kernel, reported
+    asynchronously, later, and the CUDA context unusable after it)."""
+    bad = ((y < 0) | (y >= CLASSES)).nonzero().flatten()
+    if len(bad):
+        i = bad[0].item()
+        raise ValueError(f"rank {rank}, step {step}: label {y[i].item()} of sample {i} is "
+                         f"outside [0, {CLASSES}) ({len(bad)} bad in this batch)")
 
 
 def evaluate(model, x, y):
@@ -103,18 +132,21 @@ def evaluate(model, x, y):
 
 @record  # a failure's traceback goes into torchrun's error file (TORCHELASTIC_ERROR_FILE)
 def main():
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(env.device)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, CLASSES)).to(env.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(0)  # the same data on every rank; each takes its shard
     x = torch.randn(64, 16, generator=g)
     x_val = torch.randn(8 * env.world_size - 1, 16, generator=g)  # uneven on purpose
-    y, y_val = x[:, :4].argmax(-1), x_val[:, :4].argmax(-1)  # a rule to learn: which is largest
-    x, y, x_val, y_val = (t.to(env.device) for t in (x, y, x_val, y_val))
+    y, y_val = x[:, :CLASSES].argmax(-1), x_val[:, :CLASSES].argmax(-1)  # which is largest
+    x_val, y_val = x_val.to(env.device), y_val.to(env.device)
     for step in range(1, args.steps + 1):
-        xb, yb = x[env.rank::env.world_size], y[env.rank::env.world_size]
+        xb, yb = x[env.rank::env.world_size], y[env.rank::env.world_size]  # read on the host
         if args.bug == "crash" and env.rank == 1 and step == 3:
             yb = yb.clone()
             yb[0] = -1  # a corrupt label in rank 1's data
+        if args.check_labels:
+            check_labels(yb, env.rank, step)
+        xb, yb = xb.to(env.device), yb.to(env.device)
         loss = F.cross_entropy(model(xb), yb)
         optimizer.zero_grad()
         loss.backward()
@@ -134,11 +166,12 @@ def main():
 env = setup(timeout_s=args.timeout)
 seed_everything(0)
 if args.fr_dir:
-    signal.signal(signal.SIGTERM, lambda signum, _: (dump_flight_record(), os._exit(128 + signum)))
+    signal.signal(signal.SIGTERM, lambda signum, _: (dump_flight_record("on SIGTERM"),
+                                                     os._exit(128 + signum)))
 try:
     main()
-except Exception:
+except Exception:  # gloo: a timed-out collective raises (NCCL's watchdog kills the process)
     if args.fr_dir:
-        dump_flight_record()
+        dump_flight_record("on its exception")
     raise
 teardown()

@@ -25,12 +25,26 @@ powersgd: powerSGD_hook (Vogels et al. 2019). Each gradient viewed as an n x m m
           all-reduces (warm-up). (Its sibling batched_powerSGD_hook, one square matrix for the
           whole bucket, fails at its first compressed step in torch 2.13: AssertionError in
           _orthogonalize, which expects a batch of matrices.)
+
+Two measurements follow the training runs:
+- the 16-bit sum (--sum-ranks): the 16-bit hooks do not only send 16 bits, they *add* in 16 bits.
+  A ring all-reduce (NCCL's ring, gloo's) adds the ranks' values one hop at a time, rounding
+  every partial sum to the wire's dtype: N - 1 roundings, an error that grows with N. With N
+  ranks' real gradients (this model's, on the batches ranks 0..N-1 would hold at step 1), rank 0
+  replays the hook's arithmetic (default_hooks._compress_hook: cast, divide by N in 16 bits, sum)
+  in ring order, one process, and compares with the exact mean; the all-reduce of the real
+  ranks checks the replay at N = world size.
+- exposed communication (--time-steps): steps of plain DDP timed with and without
+  `model.no_sync()` (the same forward and backward, no all-reduce), alternated; the difference
+  is the communication the backward did not hide, the only part a hook can save.
 """
 import argparse
 import json
 import math
 import os
+import statistics
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -52,6 +66,10 @@ parser.add_argument("--powersgd-start", type=int, default=10,
                     help="start_powerSGD_iter: steps of plain all-reduce before compressing")
 parser.add_argument("--steps", type=int, default=30, help="training steps, for each hook")
 parser.add_argument("--lr", type=float, default=0.1, help="SGD's learning rate (momentum 0.9)")
+parser.add_argument("--sum-ranks", default="2,4,8,16,32,64",
+                    help="ranks N at which to replay the hooks' 16-bit sum (one process)")
+parser.add_argument("--time-steps", type=int, default=20,
+                    help="steps timed with and without no_sync(), each (0: skip)")
 parser.add_argument("--json", help="write the measured results here")
 args = parser.parse_args()
 hooks = list(dict.fromkeys(h for h in args.hooks.split(",") if h))  # in order, once each
@@ -62,6 +80,14 @@ if not hooks:
     parser.error(f"--hooks is empty; choose from {', '.join(HOOKS)}")
 if args.rank < 1:
     parser.error(f"--rank must be at least 1, got {args.rank}")
+try:
+    sum_ranks = sorted({int(n) for n in args.sum_ranks.split(",") if n})
+except ValueError:
+    parser.error(f"--sum-ranks must be comma-separated integers, got {args.sum_ranks!r}")
+if not sum_ranks or not all(2 <= n <= 1024 for n in sum_ranks):
+    parser.error(f"--sum-ranks must list ranks between 2 and 1024, got {args.sum_ranks!r}")
+if args.time_steps < 0:
+    parser.error(f"--time-steps must be at least 0, got {args.time_steps}")
 # PowerSGDState raises for start_powerSGD_iter <= 1 with error feedback or warm start (both on by
 # default): DDP rebuilds its buckets after step 0, which would scramble the per-bucket memories.
 if not 2 <= args.powersgd_start < args.steps:
@@ -187,6 +213,78 @@ for hook in hooks:
                      "loss": losses, "seconds_per_step": seconds,
                      "replicas_identical": same_on_all_ranks(list(model.parameters()))}
 
+
+# --- the 16-bit sum: what a hook's all-reduce computes, replayed at N ranks ----------------------
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def flat_grad(model, seed: int) -> torch.Tensor:
+    """The fp32 gradient a rank holds after its backward on the batch of this seed."""
+    model.zero_grad()
+    x, y = labelled(BATCH, seed)
+    F.cross_entropy(model(x), y).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu()
+
+
+def ring_sum(grads: list[torch.Tensor], dtype) -> torch.Tensor:
+    """The hook's average as a ring adds it: each rank's bucket cast and divided by N in the
+    wire's dtype (default_hooks._compress_hook; DDP's own fp32 path divides too), then added one
+    hop at a time, every partial sum rounded to that dtype."""
+    n = len(grads)
+    total = grads[0].to(dtype, copy=True).div_(n)
+    for g in grads[1:]:
+        total = total + g.to(dtype, copy=True).div_(n)  # one hop: rounded to dtype
+    return total
+
+
+def rel_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((approx.double() - exact).norm() / exact.norm()).item()
+
+
+model0 = mlp().to(env.device)
+grads = [flat_grad(model0, 10_000 * r) for r in range(max(sum_ranks))]  # step 1's batches
+sums = {}
+for n in sum_ranks:
+    exact = torch.stack(grads[:n]).double().mean(0)
+    sums[n] = {name: {"sum": rel_error(ring_sum(grads[:n], dt), exact),
+                      # the inputs' rounding alone, averaged exactly: it does not grow with N
+                      "cast_only": rel_error(torch.stack([g.to(dt, copy=True).div_(n).double()
+                                                          for g in grads[:n]]).sum(0), exact)}
+               for name, dt in DTYPES.items()}
+# the real all-reduce at N = world size: this rank's gradient, as the bf16 hook sends it
+mine = flat_grad(model0, 10_000 * env.rank)
+ours = grads[:env.world_size] if env.world_size <= len(grads) else \
+    [flat_grad(model0, 10_000 * r) for r in range(env.world_size)]
+exact, real = torch.stack(ours).double().mean(0), {}
+for name, dt in DTYPES.items():
+    t = mine.to(env.device).to(dt, copy=True).div_(env.world_size)
+    dist.all_reduce(t)
+    real[name] = {"error": rel_error(t.cpu(), exact), "replay": rel_error(ring_sum(ours, dt), exact),
+                  "equal_to_replay": torch.equal(t.cpu(), ring_sum(ours, dt))}
+
+# --- exposed communication: the same step with and without the all-reduce ---------------------
+
+
+def timed_step(model, x, y, sync: bool) -> float:
+    t0 = time.perf_counter()
+    with nullcontext() if sync else model.no_sync():  # no_sync: backward without all-reduce
+        F.cross_entropy(model(x), y).backward()
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()  # the GPU's work, not only its launch
+    seconds = time.perf_counter() - t0
+    model.zero_grad()
+    return seconds
+
+
+timing = {}
+if args.time_steps:
+    model = DDP(mlp().to(env.device))
+    x, y = batches[0]
+    for sync in (True, False, True):  # warm-up (DDP rebuilds its buckets after its first step)
+        timed_step(model, x, y, sync)
+    both = [timed_step(model, x, y, i % 2 == 0) for i in range(2 * args.time_steps)]
+    timing = {"sync_s": both[0::2], "no_sync_s": both[1::2]}
+
 print0(f"MLP {IN}-{HIDDEN}-{HIDDEN}-{CLASSES}: Psi = {psi} parameters, {env.world_size} "
        f"ranks, {args.steps} steps (PowerSGD: rank {args.rank}, plain all-reduce for the first "
        f"{args.powersgd_start})")
@@ -219,9 +317,30 @@ for hook, r in results.items():
     below = ("-", "-") if gap is None else (str(gap < 0.01), str(gap < 0.1))
     print0(f"{hook:9} {str(r['loss'][-1] < r['loss'][0] / 2):>17} {below[0]:>10} {below[1]:>9} "
            f"{str(r['replicas_identical']):>18}")
+# The replay: printed as facts that hold on any machine; the errors themselves go to the JSON.
+print0(f"\nthe 16-bit sum, replayed at N = {', '.join(map(str, sum_ranks))} ranks "
+       f"(relative error of the averaged gradient):")
+for name in DTYPES:
+    errs = [sums[n][name]["sum"] for n in sum_ranks]
+    casts = [sums[n][name]["cast_only"] for n in sum_ranks]
+    print0(f"  {name}: the sum's error grows with every doubling of N: "
+           f"{all(b > a for a, b in zip(errs, errs[1:]))}; the inputs' rounding alone does not "
+           f"grow: {max(casts) <= casts[0]}")
+if env.world_size == 2:  # one addition: any order gives the same bits
+    print0(f"  the real all-reduce at N = 2 equals the replay, bit for bit: "
+           + ", ".join(f"{name} {r['equal_to_replay']}" for name, r in real.items()))
+else:  # the backend may add in another order: the same error, not the same bits
+    print0(f"  the real all-reduce's error at N = {env.world_size} within 10% of the replay's: "
+           + ", ".join(f"{name} {abs(r['error'] - r['replay']) <= 0.1 * r['replay']}"
+                       for name, r in real.items()))
+if timing:
+    print0(f"\nexposed communication: {args.time_steps} steps each with and without "
+           "no_sync() timed (seconds in the JSON)")
 write_json(args.json, {"psi": psi, "world_size": env.world_size, "steps": args.steps,
                        "rank": args.rank, "powersgd_start": args.powersgd_start,
                        "theory": theory, "powersgd_plan": plan, "notes": notes,
                        "timing": "seconds_per_step: wall time of forward+backward+step (noisy)",
-                       "results": results})
+                       "results": results,
+                       "sum_ranks": sum_ranks, "sum_errors": sums, "real_all_reduce": real,
+                       "exposed": timing})
 teardown()

@@ -13,7 +13,9 @@ takes torchrun's own arguments and differs from `torchrun` in five ways:
   never came) instead of its RendezvousError traceback;
 - a multi-node launch still waiting for its nodes after a few seconds says so in one line
   (torchrun waits up to its join timeout, 600 s by default, in silence).
-The ranks' own error output (the traceback a learner needs) stays on the console. Exit status is
+As torchrun does (its main is decorated with @record), it copies the first failure's error file
+to TORCHELASTIC_ERROR_FILE when that is set. The ranks' own error output (the traceback a
+learner needs) stays on the console. Exit status is
 torchrun's: 0, 1 when a rank failed, 128 + the signal's number when stopped by a signal.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ import traceback
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 from torch.distributed.run import parse_args, run
 
@@ -137,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         with torchrun_log.open("a") as f:
             f.write(traceback.format_exc())  # what torchrun would have printed
         rank, failure = e.get_first_failure()
+        if os.environ.get("TORCHELASTIC_ERROR_FILE") and failure.error_file != "<N/A>":
+            # as torchrun's own main (decorated with @record) does: the root cause's error file
+            # copied to the path the caller named (its error code: the rank's exit status)
+            get_error_handler().dump_error_file(failure.error_file, failure.exitcode)
         how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
                else f"exit code {failure.exitcode}")
         print(f"run_w_torchrun.sh: rank {rank} failed first ({how}): "
