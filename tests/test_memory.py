@@ -24,6 +24,25 @@ def test_bytes_per_parameter():
         model_state_bytes(1000, 8, 4)
 
 
+def test_recipes_named_for_their_frameworks():
+    """Review F3: stages 0-2 depend on where the 16 bytes sit. PyTorch AMP keeps fp32 weights and
+    gradients: ZeRO-1 of Llama 3.1 8B on 8 ranks holds 4 + 4 + 8/8 = 9 bytes per parameter,
+    67.3 GiB, where DeepSpeed's 2 + 2 + 12/8 holds 5.5; ZeRO-3 shards all 16 either way. Pure
+    bf16 AdamW (no fp32 master copy) keeps 8."""
+    from distkit.memory import DEEPSPEED_MEGATRON, PURE_BF16_ADAMW, RECIPES, TORCH_AMP, GiB
+    assert (TORCH_AMP.param, TORCH_AMP.grad, TORCH_AMP.optimizer) == (4, 4, 8)
+    assert (DEEPSPEED_MEGATRON.param, DEEPSPEED_MEGATRON.grad, DEEPSPEED_MEGATRON.optimizer) == \
+        (2, 2, 12) == (MIXED_ADAMW.param, MIXED_ADAMW.grad, MIXED_ADAMW.optimizer)
+    assert PURE_BF16_ADAMW.total == 8 and RECIPES["pure-bf16"] is PURE_BF16_ADAMW
+    assert RECIPES["torch-amp"] is RECIPES["fsdp2-mixed"] is TORCH_AMP
+    psi = 8_030_261_248
+    torch_zero1 = model_state_bytes(psi, 8, 1, TORCH_AMP)["total"]
+    assert torch_zero1 == 9 * psi and round(torch_zero1 / GiB, 1) == 67.3
+    assert model_state_bytes(psi, 8, 1, DEEPSPEED_MEGATRON)["total"] == 5.5 * psi
+    assert model_state_bytes(psi, 8, 3, TORCH_AMP)["total"] == pytest.approx(
+        model_state_bytes(psi, 8, 3, DEEPSPEED_MEGATRON)["total"]) == 2 * psi
+
+
 def test_communication_zero3_is_one_and_a_half_ddp():
     ddp, z1, z2, z3 = (communication_bytes(PSI, N, s) for s in range(4))
     assert ddp == z1 == z2 == pytest.approx(2 * 63 / 64 * PSI * 2)

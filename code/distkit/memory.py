@@ -82,8 +82,13 @@ RECIPES = {"fp32": FP32_ADAMW, "mixed": MIXED_ADAMW, "sgd-momentum": FP32_SGD_MO
 # weights and gradients and fp32 master weights in the optimizer: ZeRO's 2 + 2 + 12.
 TORCH_AMP = Recipe("PyTorch AMP / FSDP2 mixed precision (fp32 weights, grads, AdamW)", 4, 4, 8)
 DEEPSPEED_MEGATRON = Recipe("DeepSpeed / Megatron-LM bf16 (fp32 master in the optimizer)", 2, 2, 12)
+# Pure bf16 AdamW: weights, gradients and both moments in bf16, no fp32 master copy: 8 bytes per
+# parameter. An update smaller than half a weight's bf16 spacing (1 + 1e-3 == 1 in bf16) is
+# lost, so it needs stochastic rounding or Kahan summation of the updates (review F7).
+PURE_BF16_ADAMW = Recipe("pure bf16 AdamW (stochastic rounding or Kahan summation)", 2, 2, 4)
 RECIPES.update({"torch-amp": TORCH_AMP, "fsdp2-mixed": TORCH_AMP,
-                "deepspeed": DEEPSPEED_MEGATRON, "megatron": DEEPSPEED_MEGATRON})
+                "deepspeed": DEEPSPEED_MEGATRON, "megatron": DEEPSPEED_MEGATRON,
+                "pure-bf16": PURE_BF16_ADAMW})
 
 STAGES = {0: "DDP (no sharding)", 1: "ZeRO-1: optimizer states sharded",
           2: "ZeRO-2: + gradients sharded", 3: "ZeRO-3: + parameters sharded"}
