@@ -32,9 +32,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 MANIFEST = "manifest.json"
 STEP_NAME = re.compile(r"step_(\d+)")  # a checkpoint folder's name, its step as digits
@@ -88,6 +91,42 @@ class RNGState(Stateful):
         torch.set_rng_state(state["torch"])
         if self.cuda:
             torch.cuda.set_rng_state(state["cuda"])
+
+
+class Stager(DefaultStager):
+    """DCP's DefaultStager for dcp.async_save, made once per run (torchtitan does the same):
+    it copies this rank's state into host memory in a background thread (on a GPU: into pinned
+    memory, with non-blocking copies), allocating that copy at the first save and refilling
+    the same buffers at every save after. So: wait for `staging_completion` before the weights
+    change, and for the previous upload before the next save. Close it after the last save.
+
+    `host_bytes` records, per save, the bytes of host memory the staged copy holds and how
+    many of them were buffers of the previous save, reused.
+    """
+
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"  # pinned memory and non-blocking copies need a GPU
+        super().__init__(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=True, use_non_blocking_copy=cuda))
+        self.host_bytes: list[dict] = []
+        self._last: set[int] = set()
+
+    def stage(self, state_dict, **kwargs):
+        future = super().stage(state_dict, **kwargs)
+        future.add_done_callback(self._measure)  # runs in the staging thread
+        return future
+
+    def _measure(self, future) -> None:
+        if future.exception() is not None:
+            return
+        storages = {}
+        for t in tree_leaves(future.result()):
+            if isinstance(t, torch.Tensor):
+                t = t.to_local() if isinstance(t, DTensor) else t
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        self.host_bytes.append({"bytes": sum(storages.values()),
+                                "reused": sum(n for p, n in storages.items() if p in self._last)})
+        self._last = set(storages)
 
 
 def saved_keys(path: str | os.PathLike) -> set[str]:
