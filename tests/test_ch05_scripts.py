@@ -1,13 +1,21 @@
 """Chapter 05's scripts and checkpoint folder beyond what the notebook runs: bad input (of
 train_ckpt.py and formats.py), and distkit.ckpt.CheckpointDir's rules (atomic commit, checks,
-keep-last-K) on fake folders, in this process. The notebook (nbval) runs the scripts for real:
-train_ckpt.py uninterrupted, killed mid-run, killed inside dcp.save, with a corrupted
-checkpoint, and resharded 2 -> 1, 3; formats.py on a good checkpoint. It asserts every
-result (bit-identical resumes, loaded == saved, equal round trips and logits)."""
+keep-last-K, steps past 999,999) on fake folders, in this process, and on 2 forked gloo ranks
+that see the folder differently (they must agree, and not hang). The notebook (nbval) runs the
+scripts for real: train_ckpt.py uninterrupted, killed mid-run, killed inside an async save,
+with a corrupted checkpoint (resumed from --async checkpoints), and resharded 2 -> 1, 3;
+formats.py on a good checkpoint. It asserts every result (bit-identical resumes, loaded ==
+saved, equal round trips and logits, the async host copy)."""
 import json
+import multiprocessing
+import os
+import queue
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
+import distkit.ckpt as ckpt_module
 from conftest import run_in_process, run_launcher, run_papermill
 from distkit.ckpt import MANIFEST, CheckpointDir, read_manifest
 
@@ -33,19 +41,22 @@ def test_launcher_rejects_bad_max_restarts():
 
 
 @pytest.mark.stress
-def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(tmp_path):
-    """MAX_RESTARTS=1 CRASH_AT=step:7: the last rank dies by SIGKILL after step 7, its peer fails
-    on the lost connection, torchrun restarts the group and attempt 1 resumes from step 5. The
-    notebook (nbval) runs this once in `make test` with its bit-identity checks; `make stress`
-    repeats this small one under load, whichever rank torchrun sees fail first."""
-    proc = run_launcher(2, "ch05_checkpoint/train_ckpt.py", "--samples", 64, "--batch-size", 4,
+@pytest.mark.parametrize("mode", [[], ["--async"]], ids=["sync", "async"])
+def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(tmp_path, mode):
+    """MAX_RESTARTS=1 CRASH_AT=step:12: the last rank dies by SIGKILL after step 12, its peer
+    fails on the lost connection, torchrun restarts the group and attempt 1 resumes from step 10
+    (with --async from step 5: step 10's upload is committed only at the next save). The
+    notebook (nbval) runs the sync kill and two --async resumes once in `make test` with their
+    bit-identity checks; `make stress` repeats these small ones under load."""
+    proc = run_launcher(2, "ch05_checkpoint/train_ckpt.py", "--samples", 128, "--batch-size", 4,
                         "--epochs", 1, "--save-every", 5, "--ckpt-dir", tmp_path / "ckpt",
-                        "--resume", "--json", tmp_path / "run.json",
-                        env={"MAX_RESTARTS": "1", "CRASH_AT": "step:7"}, timeout=300)
+                        "--resume", "--json", tmp_path / "run.json", *mode,
+                        env={"MAX_RESTARTS": "1", "CRASH_AT": "step:12"}, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "rank 1: killed by SIGKILL at step 7" in proc.stdout
+    assert "rank 1: killed by SIGKILL at step 12" in proc.stdout
     res = json.loads((tmp_path / "run.json").read_text())
-    assert res["attempt"] == 1 and res["resumed_from"] == 5 and len(res["losses"]) == 8
+    assert res["attempt"] == 1 and res["resumed_from"] == (5 if mode else 10)
+    assert len(res["losses"]) == 16 and [s["step"] for s in res["saves"]][-1] == 15
 
 
 def fake_save(ckpt: CheckpointDir, step: int) -> None:
@@ -53,7 +64,7 @@ def fake_save(ckpt: CheckpointDir, step: int) -> None:
     tmp = ckpt.begin(step)
     tmp.mkdir()
     for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
-        (tmp / name).write_bytes(bytes([step]) * (100 + step))
+        (tmp / name).write_bytes(bytes([step % 256]) * (100 + step % 256))
     ckpt.commit(step, world_size=2)
 
 
@@ -113,6 +124,127 @@ def test_a_whole_tmp_folder_is_committed_not_removed(tmp_path):
     ckpt.path(10).rename(ckpt.path(10).with_suffix(".tmp"))
     assert ckpt.latest() == ckpt.path(10)
     assert ckpt.log == ["step_000010.tmp: written whole but not renamed; committed now"]
+
+
+def test_steps_are_compared_as_numbers_past_999999(tmp_path):
+    """As strings "step_1000000" < "step_999999": keep-last-K would delete the newest."""
+    ckpt = CheckpointDir(tmp_path, keep=2)
+    for step in (999_998, 999_999, 1_000_000):
+        fake_save(ckpt, step)
+    assert [p.name for p in ckpt.committed()] == ["step_999999", "step_1000000"]
+    assert ckpt.log == [] and ckpt.latest() == ckpt.path(1_000_000)
+
+
+def on_two_ranks(tmp_path, scenario, timeout=150) -> list:
+    """scenario(rank) in 2 forked processes joined by a gloo group (60 s collective timeout);
+    each rank's return value, or the test fails when a rank errs or does not finish."""
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+
+    def rank_main(rank):
+        try:
+            dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}",
+                                    rank=rank, world_size=2, timeout=timedelta(seconds=60))
+            results.put((rank, scenario(rank)))
+            dist.barrier()
+        except BaseException as e:  # noqa: BLE001 (reported to the parent)
+            results.put((rank, f"rank {rank} failed: {e!r}"))
+        finally:
+            os._exit(0)
+
+    procs = [ctx.Process(target=rank_main, args=(r,)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in procs:
+            rank, value = results.get(timeout=timeout)
+            got[rank] = value
+    except queue.Empty:
+        pytest.fail(f"a rank did not finish in {timeout} s (hung in a collective?): {got}")
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    assert not any(isinstance(v, str) and " failed: " in v for v in got.values()), got
+    return [got[0], got[1]]
+
+
+def stale_on_rank1(monkeypatch, rank, listing):
+    """Rank 1 sees the folders as `listing(folder, names)` says (a stale cache), rank 0 as they
+    are."""
+    if rank == 1:
+        real = ckpt_module._listing
+        monkeypatch.setattr(ckpt_module, "_listing", lambda folder: listing(folder, real(folder)))
+
+
+def test_ranks_that_see_different_listings_agree(tmp_path, monkeypatch):
+    """Rank 1 sees neither step_000015 nor the uncommitted .tmp, and a stray file in every
+    checkpoint: only rank 0's listing counts, both ranks choose step_000015 and nobody hangs
+    (with every rank listing for itself, rank 1 skipped a collective that rank 0 waited in)."""
+    ckpt = CheckpointDir(tmp_path / "ckpt", keep=3)
+    for step in (5, 10, 15):
+        fake_save(ckpt, step)
+    ckpt.begin(20).mkdir()
+
+    def scenario(rank):
+        stale_on_rank1(monkeypatch, rank, lambda folder, names: (
+            [n for n in names if n not in ("step_000015", "step_000020.tmp")]
+            if folder == ckpt.root else [*names, "stray.bin"]))
+        here = CheckpointDir(ckpt.root, keep=3)
+        return here.latest().name, here.log
+
+    assert on_two_ranks(tmp_path, scenario) == [("step_000015", [
+        "step_000020.tmp: never committed (no .metadata: dcp.save never finished); removed"]),
+        ("step_000015", [])]
+
+
+def test_a_file_one_rank_cannot_read_fails_on_every_rank(tmp_path, monkeypatch):
+    """Rank 1 cannot read the file it wrote in step_000015 (a transient error): both ranks skip
+    that checkpoint with the same reason and choose step_000010. Each rank reads back only the
+    files it wrote: its hash of __1_0.distcp is rank 1's."""
+    ckpt = CheckpointDir(tmp_path / "ckpt", keep=3)
+    for step in (5, 10, 15):
+        fake_save(ckpt, step)
+    real_sha = ckpt_module._sha256
+
+    def scenario(rank):
+        def sha(path):
+            assert ckpt_module._writer_of(path.name, 2) == rank  # only files it wrote
+            if rank == 1 and path.parent.name == "step_000015":
+                raise OSError(5, "Input/output error")
+            return real_sha(path)
+        monkeypatch.setattr(ckpt_module, "_sha256", sha)
+        here = CheckpointDir(ckpt.root, keep=3)
+        return here.latest().name, here.log
+
+    reason = ("step_000015: __1_0.distcp is unreadable on rank 1 (Input/output error); "
+              "skipped")
+    assert on_two_ranks(tmp_path, scenario) == [("step_000010", [reason])] * 2
+
+
+def test_a_commit_uses_rank0s_listing(tmp_path, monkeypatch):
+    """Rank 1's stale listing misses a shard: the manifest still holds every file."""
+    root = tmp_path / "ckpt"
+
+    def scenario(rank):
+        stale_on_rank1(monkeypatch, rank, lambda folder, names: [n for n in names
+                                                                  if n != "__0_0.distcp"])
+        here = CheckpointDir(root, keep=2)
+        tmp = here.begin(5)
+        if rank == 0:
+            tmp.mkdir()
+        dist.barrier()
+        (tmp / f"__{rank}_0.distcp").write_bytes(b"x" * (10 + rank))  # each rank its shard
+        dist.barrier()
+        if rank == 0:
+            (tmp / ".metadata").write_bytes(b"m")
+        dist.barrier()
+        return sorted(read_manifest(here.commit(5, world_size=2))["files"])
+
+    assert on_two_ranks(tmp_path, scenario) == [[".metadata", "__0_0.distcp",
+                                                 "__1_0.distcp"]] * 2
 
 
 def test_latest_of_an_empty_or_missing_folder_is_none(tmp_path):

@@ -13,6 +13,7 @@ reader is the plainest there is: one process, no process group, an unwrapped mod
    that know only torch.load), and torch_save_to_dcp turns it back into a DCP folder.
 3. Hugging Face: save_pretrained writes the trained model as safetensors plus its config, the
    format from_pretrained (and most inference tools) read.
+4. Partial: a model-only load (the optimizer's keys are not read), and a bf16 export.
 --reference is train_ckpt.py's --json of the run that made the checkpoint (for the parity).
 """
 import argparse
@@ -30,6 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
@@ -231,11 +233,40 @@ print(f"   from_pretrained: {reloaded.dtype}; logits on 8 sequences equal "
 results["hf"] = {"files": files, "dtype": str(reloaded.dtype), "logits_equal": logits_equal,
                  "logits_max_abs_diff": max_abs}
 seconds["hf"] = time.perf_counter() - t0
+
+# 4. Model only, and a bf16 export -----------------------------------------------------------
+# A partial load: ask dcp.load for the model's keys alone ("app.model.*"). AdamW's moments, the
+# schedule and the RNG states stay unread: fine-tuning or evaluating from a training checkpoint.
+# An export for inference keeps the weights only, in bf16: half the bytes.
+t0 = time.perf_counter()
+torch.manual_seed(args.seed + 1)  # other values than the checkpoint's: the load must set them
+fresh = tiny_llama()
+model_sd = get_model_state_dict(fresh)
+dcp.load({"app": {"model": model_sd}}, checkpoint_id=ckpt)  # no optimizer key: not read
+set_model_state_dict(fresh, model_sd)
+model_only = all(torch.equal(v, loaded[k]) for k, v in fresh.state_dict().items())
+in_ckpt = saved_keys(ckpt)
+print(f"4. model only: {len(model_sd)} of the checkpoint's {len(in_ckpt)} keys read; weights "
+      f"equal to the full load's: {model_only}")
+hf16 = out / "hf_bf16"
+shutil.rmtree(hf16, ignore_errors=True)
+model.save_pretrained(hf16, state_dict={k: v.to(torch.bfloat16)
+                                        for k, v in model.state_dict().items()})
+back = LlamaForCausalLM.from_pretrained(hf16, torch_dtype=torch.bfloat16)
+bf16_equal = all(torch.equal(v, model.state_dict()[k].to(torch.bfloat16))
+                 for k, v in back.state_dict().items())
+bf16_bytes = (hf16 / "model.safetensors").stat().st_size
+print(f"   save_pretrained in bf16: model.safetensors {bf16_bytes} bytes (fp32: "
+      f"{files['model.safetensors']}); reloaded == the weights rounded to bf16: {bf16_equal}")
+results["model_only"] = {"keys": len(model_sd), "checkpoint_keys": len(in_ckpt),
+                         "equal": model_only, "bf16_bytes": bf16_bytes, "bf16_equal": bf16_equal}
+seconds["model_only"] = time.perf_counter() - t0
 results["seconds"] = seconds
 write_json(args.json, results)
 if not args.out:
     shutil.rmtree(out)
 checks = {"loaded == saved": loaded_equal, "parity": results.get("parity", True),
-          "torch.save file": pt_equal, "round trip": again_equal, "logits": logits_equal}
+          "torch.save file": pt_equal, "round trip": again_equal, "logits": logits_equal,
+          "model only": model_only, "bf16 export": bf16_equal}
 if failed := [name for name, ok in checks.items() if not ok]:
     sys.exit(f"formats.py: check failed: {', '.join(failed)}")

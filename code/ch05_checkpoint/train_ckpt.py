@@ -11,6 +11,10 @@ AdamW's state, the LR schedule, the position in the data, the losses so far and 
 random generators as they were: the rest of the run is then bit-identical to a run that never
 stopped. The checkpoint can be loaded on a different number of ranks (resharding).
 
+--async saves with dcp.async_save: the loop waits only while this rank's state is copied to
+host memory; the files are written in the background during the next steps, and the
+checkpoint is committed once that upload has finished (at the next save, or at the end).
+
 A real failure, for the lesson: CRASH_AT=step:K kills one rank (CRASH_RANK, default the last)
 with SIGKILL just after step K; CRASH_AT=save:K kills it in the middle of step K's dcp.save,
 once its own shards are written, before the checkpoint is complete. Only in torchrun's first
@@ -26,12 +30,14 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp  # NEW
+from torch.distributed.checkpoint import DefaultLoadPlanner  # NEW
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from distkit import print0, seed_everything, setup, teardown, write_json
-from distkit.ckpt import AppState, CheckpointDir, RNGState, read_manifest, state_digest  # NEW
+from distkit.ckpt import (AppState, CheckpointDir, RNGState, Stager, read_manifest,  # NEW
+                          state_digest)
 from distkit.toy import counting_data, tiny_llama, warmup_cosine
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -44,6 +50,8 @@ parser.add_argument("--json", help="write per-step losses here")
 parser.add_argument("--ckpt-dir", help="NEW: keep checkpoints here (step_NNNNNN/ folders)")
 parser.add_argument("--save-every", type=int, default=5, help="NEW: steps between checkpoints")
 parser.add_argument("--keep", type=int, default=2, help="NEW: how many checkpoints to keep")
+parser.add_argument("--async", dest="async_save", action="store_true",
+                    help="NEW: save with dcp.async_save (the files are written in the background)")
 parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                     help="NEW: start from the newest good checkpoint in --ckpt-dir, "
                          "or from the checkpoint folder given")
@@ -117,9 +125,13 @@ def crash_if(where, step):  # NEW (for this lesson only): a real failure at a ch
 
 
 class Writer(dcp.FileSystemWriter):  # NEW: DCP's file writer, with the lesson's crash inside
+    def __init__(self, folder, step):
+        super().__init__(folder)
+        self.step = step  # (with --async, write_data runs while training has gone on)
+
     def write_data(self, plan, planner):
         written = super().write_data(plan, planner)  # this rank's shards, on disk
-        crash_if("save", progress.step)  # before rank 0 has all results to write .metadata
+        crash_if("save", self.step)  # before rank 0 has all results to write .metadata
         return written
 
 
@@ -133,9 +145,14 @@ start = ckpt.latest() if args.resume == "latest" else args.resume
 resumed_from = None
 if start:
     # NEW: each rank reads the pieces of the saved tensors that overlap its own shards, whatever
-    # the number of ranks that saved them. RNG states are per rank: only where this rank has one.
-    has_rng = state["rng"].saved_in(start)
-    dcp.load({k: v for k, v in state.items() if k != "rng" or has_rng}, checkpoint_id=start)
+    # the number of ranks that saved them. Every rank passes dcp.load the same keys (the rule of
+    # its docstring: mismatched keys may hang). The RNG states are per rank ("rng.rank2"): on
+    # more ranks than saved them, a rank finds none of its own, so they are loaded apart, with a
+    # planner that lets a key be absent (it then keeps its value); model, AdamW and progress
+    # must all be there.
+    dcp.load({k: state[k] for k in ("app", "progress")}, checkpoint_id=start)
+    dcp.load({"rng": state["rng"]}, checkpoint_id=start,
+             planner=DefaultLoadPlanner(allow_partial_load=True))
     resumed_from = progress.step
     print0(f"attempt {restart}: resumed from {os.path.basename(start)} (step {progress.step}) "
            f"on {env.world_size} rank(s); loaded == saved: "
@@ -143,7 +160,47 @@ if start:
 elif args.resume:
     print0(f"attempt {restart}: no checkpoint yet in {args.ckpt_dir}; starting from step 0")
 
-save_seconds = []
+# NEW (--async): the upload's collectives run on a group of their own, created once (a gloo
+# one: async_save needs a CPU backend), so they never interleave with training's collectives;
+# one stager for the whole run, which keeps its host copy and refills it at every save.
+ckpt_group = dist.new_group(backend="gloo") if args.async_save else None
+stager = Stager(env.device) if args.async_save else None
+pending = None  # the async save still uploading: (step, digest, response, seconds blocked)
+saves = []  # per save: seconds the loop was blocked by it, of which the commit's read-back
+
+
+def commit(step, digest, blocked, t0):  # NEW: a checkpoint's files are complete: seal it
+    t1 = time.perf_counter()
+    ckpt.commit(step, world_size=env.world_size, digest=digest)
+    saves.append({"step": step, "blocked": blocked + time.perf_counter() - t0,
+                  "commit": time.perf_counter() - t1})
+
+
+def finish_pending():  # NEW (--async): wait for the previous upload, then commit it
+    global pending
+    if pending:
+        step, digest, response, blocked = pending
+        t0 = time.perf_counter()
+        response.upload_completion.result()  # raises if a rank's upload failed
+        commit(step, digest, blocked, t0)
+        pending = None
+
+
+def save(step):  # NEW
+    global pending
+    # (The digest is this lesson's "loaded == saved" check, not part of a save: it gathers the
+    # whole state to rank 0, which a real job at scale would not do.)
+    digest = state_digest(model, optimizer)
+    t0 = time.perf_counter()
+    if not args.async_save:  # every rank writes its shards in parallel; then the commit
+        dcp.save(state, storage_writer=Writer(ckpt.begin(step), step))
+        return commit(step, digest, 0.0, t0)
+    finish_pending()  # one save in flight: the stager refills the host copy the last one used
+    response = dcp.async_save(state, storage_writer=Writer(ckpt.begin(step), step),
+                              process_group=ckpt_group, async_stager=stager)
+    pending = (step, digest, response, time.perf_counter() - t0)
+
+
 for epoch in range(progress.step // steps_per_epoch, args.epochs):
     sampler.set_epoch(epoch)
     # NEW: skip the batches this epoch already trained on (cheap here: the data is in memory)
@@ -151,6 +208,10 @@ for epoch in range(progress.step // steps_per_epoch, args.epochs):
         tokens = tokens.to(env.device)
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        if pending:  # NEW (--async): the copy must be whole before the weights change
+            t0 = time.perf_counter()
+            pending[2].staging_completion.result()
+            pending = (*pending[:3], pending[3] + time.perf_counter() - t0)
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()  # NEW: the LR of the next step
@@ -160,23 +221,23 @@ for epoch in range(progress.step // steps_per_epoch, args.epochs):
         progress.step += 1
         crash_if("step", progress.step)
         if ckpt and progress.step % args.save_every == 0:
-            # NEW: every rank writes its shards in parallel; then a commit makes it "latest".
-            # (The digest is this lesson's "loaded == saved" check, not part of a save: it
-            # gathers the whole state to rank 0, which a real job at scale would not do.)
-            digest = state_digest(model, optimizer)
-            t0 = time.perf_counter()
-            folder = ckpt.begin(progress.step)
-            dcp.save(state, storage_writer=Writer(folder))
-            ckpt.commit(progress.step, world_size=env.world_size, digest=digest)
-            save_seconds.append(time.perf_counter() - t0)
+            save(progress.step)  # NEW
     print0(f"epoch {epoch}  step {progress.step:3d}  loss {progress.losses[-1]:.3f}")
+
+finish_pending()  # NEW (--async): the last save, committed before the run ends
+host_bytes = None
+if stager:
+    stager.close()  # a stager we created is ours to close
+    host_bytes = [None] * env.world_size  # per rank, per save: host memory of the staged copy
+    dist.all_gather_object(host_bytes, stager.host_bytes)
 
 # NEW: the whole training state to the last bit (in the JSON only: the last bits of a float
 # differ from one CPU to another, so its printed value would differ too)
 write_json(args.json, {"losses": progress.losses, "digest": state_digest(model, optimizer),
                        "rng": [torch.rand(1).item(), random.random()],  # the streams go on?
                        "resumed_from": resumed_from,
-                       "attempt": restart, "save_seconds": save_seconds,
+                       "attempt": restart, "saves": saves,
+                       "host_bytes": host_bytes,
                        "checkpoints": [p.name for p in ckpt.committed()] if ckpt else [],
                        "skipped": ckpt.log if ckpt else []})
 teardown()

@@ -4,12 +4,20 @@ What: `AppState` (a model and its optimizer) and `RNGState` (this rank's random 
 follow DCP's `Stateful` protocol, so `dcp.save` / `dcp.load` call their `state_dict()` and
 `load_state_dict()` themselves, the way torchtitan's checkpoint manager does.
 
-Where: `CheckpointDir` keeps committed checkpoints as ROOT/step_000010/ folders. A checkpoint is
-written into step_000010.tmp/ and committed by rank 0 with one atomic rename once every rank has
-written its shards, after a manifest.json (size and sha256 of every file) is written into it.
-So a crash mid-save leaves a .tmp folder, never a half-written "latest"; a damaged file is
-caught by its checksum; `latest()` picks the newest checkpoint that passes, and says why it
-skipped the others. Only the newest `keep` checkpoints stay.
+Where: `CheckpointDir` keeps committed checkpoints as ROOT/step_000010/ folders. DCP alone
+already marks a finished save: it writes `.metadata` last, so "a fresh folder per step, and
+.metadata exists" means complete (torchtitan's rule). On top of that, as hardening, a
+checkpoint is written into step_000010.tmp/ and committed by rank 0 with one atomic rename once
+every rank has written its shards, after a manifest.json (size and sha256 of every file) is
+written into it. So a crash mid-save leaves a .tmp folder, never a half-written "latest"; a
+damaged file is caught by its checksum; `latest()` picks the newest checkpoint that passes, and
+says why it skipped the others. Only the newest `keep` checkpoints stay.
+
+Collectives: rank 0 alone lists folders and reads manifests and tells the others
+(broadcast_object_list); every rank enters every collective whatever it sees; each rank hashes
+the files it wrote, and every verdict is computed from the same gathered facts, so all ranks
+agree. (On a shared file system with stale caches, ranks that each list a folder themselves can
+see different files: then some skip a collective the others wait in, and the job hangs.)
 """
 from __future__ import annotations
 
@@ -17,17 +25,22 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 MANIFEST = "manifest.json"
+STEP_NAME = re.compile(r"step_(\d+)")  # a checkpoint folder's name, its step as digits
 
 
 class AppState(Stateful):
@@ -57,7 +70,10 @@ class RNGState(Stateful):
     of `device` when it is a GPU. (NumPy's is not saved: nothing here draws from it.)
 
     Every rank has its own generator states, so the key names the rank ("rank1"): a tensor
-    that is not a DTensor counts as replicated, and DCP would keep one rank's copy only.
+    that is not a DTensor counts as replicated, and DCP would keep one rank's copy only. Loaded
+    on more ranks than saved it (or on a GPU after a CPU run), a rank finds no key of its own:
+    load it with DefaultLoadPlanner(allow_partial_load=True), and that rank keeps its own
+    generators (a key not in the checkpoint is left as state_dict() gave it).
     """
 
     def __init__(self, rank: int, device: torch.device = torch.device("cpu")):
@@ -76,21 +92,55 @@ class RNGState(Stateful):
         if self.cuda:
             torch.cuda.set_rng_state(state["cuda"])
 
-    def saved_in(self, path: str | os.PathLike, prefix: str = "rng") -> bool:
-        """Whether the checkpoint holds this rank's states (not when saved by fewer ranks, or
-        on a CPU when this rank is on a GPU)."""
-        keys = saved_keys(path)
-        return all(f"{prefix}.{self.key}.{k}" in keys for k in self.state_dict()[self.key])
+
+class Stager(DefaultStager):
+    """DCP's DefaultStager for dcp.async_save, made once per run (torchtitan does the same):
+    it copies this rank's state into host memory in a background thread (on a GPU: into pinned
+    memory, with non-blocking copies), allocating that copy at the first save and refilling
+    the same buffers at every save after. So: wait for `staging_completion` before the weights
+    change, and for the previous upload before the next save. Close it after the last save.
+
+    `host_bytes` records, per save, the bytes of host memory the staged copy holds and how
+    many of them were buffers of the previous save, reused.
+    """
+
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"  # pinned memory and non-blocking copies need a GPU
+        super().__init__(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=True, use_non_blocking_copy=cuda))
+        self.host_bytes: list[dict] = []
+        self._last: set[int] = set()
+
+    def stage(self, state_dict, **kwargs):
+        future = super().stage(state_dict, **kwargs)
+        future.add_done_callback(self._measure)  # runs in the staging thread
+        return future
+
+    def _measure(self, future) -> None:
+        if future.exception() is not None:
+            return
+        storages = {}
+        for t in tree_leaves(future.result()):
+            if isinstance(t, torch.Tensor):
+                t = t.to_local() if isinstance(t, DTensor) else t
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        self.host_bytes.append({"bytes": sum(storages.values()),
+                                "reused": sum(n for p, n in storages.items() if p in self._last)})
+        self._last = set(storages)
 
 
 def saved_keys(path: str | os.PathLike) -> set[str]:
     """The flattened keys a checkpoint holds ("app.model.lm_head.weight", ...), read from its
-    .metadata file alone."""
+    .metadata file alone. (Unpickled: read only checkpoints you trust.)"""
     return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return _rank_world()[0] == 0
 
 
 def _barrier() -> None:
@@ -99,12 +149,37 @@ def _barrier() -> None:
 
 
 def _from_rank0(obj):
-    """obj as rank 0 has it, on every rank."""
+    """obj as rank 0 has it, on every rank (a collective)."""
     if not dist.is_initialized():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _gathered(obj) -> list:
+    """[every rank's obj], the same list on every rank (a collective)."""
+    if not dist.is_initialized():
+        return [obj]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
+
+
+def _listing(folder: Path) -> list[str]:
+    """The names in a folder, as this process sees it ([] if it cannot be read). Only rank 0's
+    listing is ever used: the others may see a stale one."""
+    try:
+        return sorted(p.name for p in folder.iterdir())
+    except OSError:
+        return []
+
+
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint folder's name ("step_1000000" -> 1000000), else None. Compare
+    steps as numbers: as strings "step_1000000" < "step_999999"."""
+    match = STEP_NAME.fullmatch(name)
+    return int(match[1]) if match else None
 
 
 def _sha256(path: Path) -> str:
@@ -115,25 +190,38 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _writer_of(name: str, world: int) -> int:
+    """The rank that wrote a DCP file: __R_*.distcp is rank R's; .metadata and anything else
+    (or a file of a rank this world does not have) is rank 0's."""
+    match = re.match(r"__(\d+)_", name)
+    return int(match[1]) if match and int(match[1]) < world else 0
+
+
 def _file_facts(folder: Path, names: list[str]) -> dict:
-    """{name: {"bytes", "sha256"}} for the files of a folder; every rank hashes its share in
-    parallel (rank 0 alone would read back every rank's shards, and the others would wait)."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = {n: {"bytes": (folder / n).stat().st_size, "sha256": _sha256(folder / n)}
-            for n in sorted(names)[rank::world]}
-    if not dist.is_initialized():
-        return mine
-    shares = [None] * world
-    dist.all_gather_object(shares, mine)
-    return {n: f for share in shares for n, f in sorted(share.items())}
+    """{name: {"bytes", "sha256"} or {"error"}} for these files of a folder, the same dict on
+    every rank (a collective; every rank must pass the same names). Each rank reads back the
+    files it wrote itself (__RANK_*.distcp: on its own node's page cache, not over the network);
+    a file it cannot read becomes an "error" entry instead of an exception, so no rank leaves
+    the collective early."""
+    rank, world = _rank_world()
+    mine = {}
+    for name in names:
+        if _writer_of(name, world) == rank:
+            try:
+                mine[name] = {"bytes": (folder / name).stat().st_size,
+                              "sha256": _sha256(folder / name)}
+            except OSError as e:
+                mine[name] = {"error": f"unreadable on rank {rank} ({e.strerror or e})"}
+    return {n: f for share in _gathered(mine) for n, f in sorted(share.items())}
 
 
 class CheckpointDir:
     """Committed checkpoints ROOT/step_NNNNNN/, written atomically; the newest `keep` stay.
 
-    Every method is collective (all ranks call it, or one process without a process group);
-    rank 0 renames and deletes and tells the others. The folder must be one that every rank
-    sees (a shared file system across nodes), as DCP's FileSystemWriter requires anyway.
+    Every method but path() and committed() is collective (all ranks call it, or one process
+    without a process group); rank 0 lists, reads, renames and deletes, and tells the others.
+    The folder must be one that every rank sees (a shared file system across nodes), as DCP's
+    FileSystemWriter requires anyway.
     """
 
     def __init__(self, root: str | os.PathLike, keep: int = 2):
@@ -156,9 +244,13 @@ class CheckpointDir:
 
     def commit(self, step: int, **facts) -> Path:
         """Seal step_NNNNNN.tmp/ once dcp.save has returned (on every rank: all shards and
-        .metadata are on disk): a manifest, then an atomic rename; then keep the newest K."""
+        .metadata are on disk; after async_save: once its upload is done): a manifest, then an
+        atomic rename; then keep the newest K. Every rank reads back and hashes what it wrote,
+        which costs a read of the whole checkpoint (12 bytes per parameter) at every save."""
         tmp, final = self.path(step).with_suffix(".tmp"), self.path(step)
-        files = _file_facts(tmp, [p.name for p in tmp.iterdir()])
+        files = _file_facts(tmp, _from_rank0(_listing(tmp)))
+        if bad := [f"{n}: {f['error']}" for n, f in files.items() if "error" in f]:
+            raise RuntimeError(f"cannot commit {tmp.name}: " + "; ".join(bad))  # on every rank
         if _rank0():
             manifest = tmp / MANIFEST
             manifest.write_text(json.dumps({"step": step, **facts, "files": files}, indent=1))
@@ -167,7 +259,7 @@ class CheckpointDir:
             # Checkpoints at this step or later belong to a future this run abandoned (it
             # resumed from an earlier one): out of the way first, else keep-last-K would keep
             # them and delete this one. Renamed aside, so "latest" is never missing.
-            for newer in [p for p in self.committed() if p.name >= final.name]:
+            for newer in [p for p in self.committed() if step_of(p.name) >= step]:
                 self.log.append(f"{newer.name}: newer than this run's step {step}; removed")
                 os.replace(newer, newer.with_suffix(".old"))
             os.replace(tmp, final)  # atomic: readers see no step_NNNNNN/, or all of it
@@ -178,27 +270,37 @@ class CheckpointDir:
         return final
 
     def committed(self) -> list[Path]:
-        """Committed checkpoint folders, oldest first (no check of their contents)."""
-        if not self.root.is_dir():
-            return []
-        return sorted(p for p in self.root.glob("step_*") if p.is_dir() and p.suffix == "")
+        """Committed checkpoint folders as this process sees them, oldest first by step
+        number (no check of their contents; not collective)."""
+        steps = [(step_of(name), name) for name in _listing(self.root)]
+        return [self.root / name for step, name in sorted(s for s in steps if s[0] is not None)
+                if (self.root / name).is_dir()]
 
     @staticmethod
     def problem(path: Path) -> str | None:
         """Why the checkpoint in `path` cannot be trusted, or None when every file is whole.
-        (Collective under a process group: each rank checks its share of the files.)"""
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except (OSError, ValueError):
+        (Collective under a process group: rank 0 reads the manifest and lists the folder,
+        each rank checks the files it wrote; every rank returns the same answer.)"""
+        def seen():  # on rank 0 only
+            try:
+                manifest = json.loads((path / MANIFEST).read_text())
+            except (OSError, ValueError):
+                return None, []
+            return manifest, [n for n in _listing(path) if n != MANIFEST]
+        manifest, found = _from_rank0(seen() if _rank0() else None)
+        want = manifest["files"] if manifest else {}
+        # every rank passes the same names, whatever the verdict: no rank skips the collective
+        got = _file_facts(path, sorted(set(found) & set(want)))
+        if manifest is None:
             return f"no readable {MANIFEST}"
-        found = {p.name for p in path.iterdir()} - {MANIFEST}
-        for name in sorted(found ^ set(manifest["files"])):
-            return f"{name} is {'missing' if name in manifest['files'] else 'not in the manifest'}"
-        for name, got in _file_facts(path, sorted(found)).items():
-            want = manifest["files"][name]
-            if got["bytes"] != want["bytes"]:
-                return f"{name} has {got['bytes']} bytes, the manifest says {want['bytes']}"
-            if got["sha256"] != want["sha256"]:
+        for name in sorted(set(found) ^ set(want)):
+            return f"{name} is {'missing' if name in want else 'not in the manifest'}"
+        for name, fact in got.items():
+            if "error" in fact:
+                return f"{name} is {fact['error']}"
+            if fact["bytes"] != want[name]["bytes"]:
+                return f"{name} has {fact['bytes']} bytes, the manifest says {want[name]['bytes']}"
+            if fact["sha256"] != want[name]["sha256"]:
                 return f"{name} does not match its sha256 in the manifest"
         return None
 
@@ -208,9 +310,12 @@ class CheckpointDir:
         committed now if its manifest was written and checks out (the crash hit between the
         manifest and the rename), else removed."""
         self.log = []
-        for name in _from_rank0(sorted(p.name for p in self.root.glob("step_*.tmp"))):
+        names = _listing(self.root) if _rank0() else []
+        tmps = _from_rank0(sorted((n for n in names if n.endswith(".tmp") and step_of(n[:-4])
+                                   is not None), key=lambda n: step_of(n[:-4])))
+        for name in tmps:
             tmp = self.root / name
-            whole = (tmp / MANIFEST).exists() and self.problem(tmp) is None
+            whole = self.problem(tmp) is None  # collective: every rank calls it
             if _rank0():
                 if whole:
                     os.replace(tmp, tmp.with_suffix(""))
@@ -222,8 +327,8 @@ class CheckpointDir:
                     shutil.rmtree(tmp)
             _barrier()
         choice = None
-        for name in reversed(_from_rank0([p.name for p in self.committed()])):
-            why = self.problem(self.root / name)
+        for name in reversed(_from_rank0([p.name for p in self.committed()] if _rank0() else [])):
+            why = self.problem(self.root / name)  # the same verdict on every rank
             if why is None:
                 choice = self.root / name
                 break
