@@ -4,8 +4,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from conftest import CODE, ROOT, launcher_env
 from distkit import gpu_smoke
+from distkit.notebook import _gpus_per_node
 
 
 def test_no_gpu_skips_with_status_0():
@@ -35,3 +39,19 @@ def test_commands_are_launches(tmp_path):
     cmd = gpu_smoke.command(run, 2, tmp_path)
     assert cmd[:3] == [str(CODE / "run_w_torchrun.sh"), "2", "ch06_capstone/train_llama.py"]
     assert "--cpu-offload" in cmd and f"{tmp_path}/run" in cmd
+
+
+def test_rehearsal_nodes_get_their_own_gpus(monkeypatch):
+    """launch_nodes: on a GPU machine each "node" sees its own block of GPUs (both would else
+    take cuda:0 as LOCAL_RANK 0, and NCCL refuses); on CPU nothing is split."""
+    monkeypatch.delenv("COURSE_DEVICE", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert _gpus_per_node(2, 1) == ["0", "1"] and _gpus_per_node(2, 2) == ["0,1", "2,3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    assert _gpus_per_node(3, 1) == ["4", "5", "6"]
+    with pytest.raises(RuntimeError, match="needs 4 GPUs, this machine has 3"):
+        _gpus_per_node(2, 2)
+    monkeypatch.setenv("COURSE_DEVICE", "cpu")
+    assert _gpus_per_node(2, 2) == []

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 import torch
 
@@ -59,22 +60,37 @@ def test_tensorboard_is_optional(monkeypatch, capsys):
 
 
 def test_corpus_cache(tmp_path, monkeypatch, capsys):
-    folder = corpus.prepare(tmp_path, vocab_size=300, seq_len=64)
+    """The token files: flat uint16 ids that load() maps as (sequences, seq_len) views, a cheap
+    cache key, the unigram baseline, and a held-out split made before the BPE was trained."""
+    folder = corpus.prepare(tmp_path, vocab_size=300)
     facts = corpus.facts(folder)
-    train, heldout = corpus.load(folder)
-    assert facts["vocab_size"] == 300 and train.shape[1] == heldout.shape[1] == 64
-    assert len(heldout) == (len(train) + len(heldout)) // 20  # every 20th sequence
-    assert corpus.prepare(tmp_path, vocab_size=300, seq_len=64) == folder  # cached: same key
-    assert corpus.prepare(tmp_path, vocab_size=300, seq_len=32) != folder  # another key
+    train, heldout = corpus.load(folder, 64)
+    assert facts["vocab_size"] == 300 and facts["dtype"] == "uint16" == str(train.dtype)[6:]
+    assert train.shape == (facts["train_tokens"] // 64, 64)
+    assert (folder / "train.bin").stat().st_size == 2 * facts["train_tokens"]  # 2 bytes a token
+    assert corpus.load(folder, 32)[0].shape == (facts["train_tokens"] // 32, 32)  # same file
+    assert corpus.prepare(tmp_path, vocab_size=300) == folder  # cached: same key
+    assert corpus.cache_key(None, 301, None) != corpus.cache_key(None, 300, None)
+    held = sum(len(piece) for _, piece in corpus.split_pieces(held=True))
+    assert 0.03 < held / facts["characters"] < 0.07  # every 20th piece: about 5% of the text
     # the unigram baseline is the held-out cross-entropy of add-one-smoothed training frequencies
-    counts = torch.bincount(train.flatten().long(), minlength=300).double() + 1
+    ids = np.fromfile(folder / "train.bin", dtype=np.uint16)
+    counts = torch.bincount(torch.from_numpy(ids.astype(np.int64)), minlength=300).double() + 1
     expected = -(counts / counts.sum()).log()[heldout[:, 1:].flatten().long()].mean()
-    assert facts["unigram_loss"] == pytest.approx(expected.item())
-    # --text: your files instead; a decoded sequence is text from them
-    (tmp_path / "a.txt").write_text("the cat sat on the mat. " * 400)
-    mine = corpus.prepare(tmp_path, vocab_size=300, seq_len=64, files=[tmp_path / "a.txt"])
+    assert corpus.unigram_loss(folder, heldout) == pytest.approx(expected.item())
+    # --text: one piece per 1 KB line here; piece 19 (held out) has a word no other piece has,
+    # and the BPE, trained before on the other pieces only, has no token for any part of it
+    lines = ["the cat sat on the mat. " * 43 + "\n"] * 40
+    lines[19] = "zyzzyva " * 130 + "\n"
+    (tmp_path / "a.txt").write_text("".join(lines))
+    mine = corpus.prepare(tmp_path, vocab_size=300, files=[tmp_path / "a.txt"])
+    tok, (train, heldout) = corpus.tokenizer(mine), corpus.load(mine, 32)
     assert mine.name.startswith("text-")
-    assert "cat sat on the mat" in corpus.tokenizer(mine).decode(corpus.load(mine)[0][0].tolist())
+    assert "cat sat on the mat" in tok.decode(train[0].tolist())
+    assert "zyzzyva" in tok.decode(heldout[0].tolist())
+    assert not [t for t in tok.get_vocab() if "zz" in t or "yv" in t]
+    (tmp_path / "a.txt").write_text("".join(lines[:30]))  # changed: another size, another key
+    assert corpus.cache_key([tmp_path / "a.txt"], 300, None) != mine.name.split("-")[1]
     status, _, err = run_in_process(monkeypatch, capsys, "ch06_capstone/corpus.py",
                                     "--vocab-size", "10")
     assert status == 2 and "--vocab-size >= 257" in err
@@ -91,8 +107,8 @@ def exported(tmp_path_factory):
     args = ["--data-dir", tmp / "data", "--out", tmp / "run", "--vocab-size", "300",
             "--seq-len", "32", "--batch-size", "4", "--micro-batch", "4", "--max-steps", "2",
             "--warmup", "1", "--eval-every", "2", "--save-every", "2", "--no-progress",
-            "--ac", "full", "--preset", "cpu-tiny"]
-    run_ok(1, SCRIPT, *args, timeout=300)
+            "--ac", "full", "--preset", "cpu-tiny", "--eval-sequences", "8"]
+    run_ok(1, SCRIPT, *args, timeout=600)
     return tmp, args
 
 
@@ -102,29 +118,31 @@ def test_resume_from_the_last_step(exported):
     tmp, args = exported
     rows = rows_of(tmp / "run")
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["eval_loss"] < rows[0]["eval_loss"]
-    proc = run_ok(1, SCRIPT, *args, "--resume", timeout=300)
+    proc = run_ok(1, SCRIPT, *args, "--resume", timeout=600)
     assert "resumed from step_000002: step 2 of 2" in proc.stdout
     assert "exported to" in proc.stdout
     assert rows_of(tmp / "run") == rows  # nothing trained, nothing logged twice
 
 
 def test_fine_tune_the_export_on_your_text(exported):
-    """--model-path: the export (weights, config, tokenizer) is fine-tuned on --text for one
-    epoch, with each decoder layer compiled (backend aot_eager: dynamo and AOTAutograd trace
+    """--model-path: the export (weights, config, tokenizer) is fine-tuned on --text for 5% of
+    an epoch (--epochs 0.05), with each decoder layer compiled (backend aot_eager: dynamo and AOTAutograd trace
     the layer with FSDP2's hooks, no C++ compiler needed; inductor on CPU takes minutes)."""
     tmp, _ = exported
     shutil.copytree(tmp / "run" / "hf", tmp / "base")  # a folder no other test rewrites
-    (tmp / "mine.txt").write_text("the cat sat on the mat. " * 60)  # ~360 tokens: 10 sequences
+    (tmp / "mine.txt").write_text(("the cat sat on the mat. " * 43 + "\n") * 20)  # 20 pieces
     proc = run_ok(1, SCRIPT, "--model-path", tmp / "base", "--text", tmp / "mine.txt",
                   "--data-dir", tmp / "data", "--out", tmp / "tuned", "--seq-len", "32",
-                  "--batch-size", "4", "--micro-batch", "2", "--epochs", "1", "--warmup", "0",
+                  "--batch-size", "4", "--micro-batch", "2", "--epochs", "0.05", "--warmup", "0",
                   "--eval-every", "1", "--no-progress", "--no-export", "--compile", "aot_eager",
-                  timeout=300)
+                  timeout=600)
     rows = rows_of(tmp / "tuned")
-    epoch = next(int(m) for m in re.findall(r"(\d+) training sequences", proc.stdout)) // 4
-    assert [r["step"] for r in rows if "loss" in r] == list(range(1, epoch + 1)) and epoch >= 2
+    n = int(re.search(r"(\d+) training sequences", proc.stdout)[1])
+    steps = round(0.05 * (n // 4))  # --epochs 0.05 of n // 4 steps
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, steps + 1)) and steps >= 2
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]  # it learns the cat
-    assert "1.00 epoch(s)" in proc.stdout and not (tmp / "tuned" / "hf").exists()
+    assert f"this run: {steps * 4 / n:.3g} epoch(s)" in proc.stdout
+    assert not (tmp / "tuned" / "hf").exists()
 
 
 def test_nonfinite_guard_and_cluster_options(tmp_path):
@@ -140,7 +158,7 @@ def test_nonfinite_guard_and_cluster_options(tmp_path):
         "--reshard-after-forward", "0", "--precision", "bf16", "--sync-every-microbatch",
         "--lr", "1e-3", "--min-lr", "1e-4", "--weight-decay", "0.05", "--betas", "0.9", "0.99", "--clip", "0.5",
         "--seed", "1", "--peak-tflops", "100", "--timeout", "120", "--log-every", "2",
-        env={"TRAIN_LLAMA_NAN_AT_STEP": "4"}, timeout=300)
+        env={"TRAIN_LLAMA_NAN_AT_STEP": "4"}, timeout=600)
     assert proc.returncode != 0, proc.stdout
     assert ("non-finite loss nan or gradient norm nan at step 4: stopped without saving; newest "
             "good checkpoint: step_000003") in proc.stderr, proc.stderr

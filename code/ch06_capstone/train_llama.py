@@ -215,10 +215,12 @@ tokenizer = None
 if args.model_path:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-folder = corpus.prepare_on_ranks(env.local_rank, args.data_dir, args.vocab_size, args.seq_len,
+folder = corpus.prepare_on_ranks(env.local_rank, args.data_dir, args.vocab_size,
                                  tokenizer=tokenizer, files=args.text)
-train_data, heldout = corpus.load(folder)
+# (sequences, seq_len) views of the token files, mapped: no rank reads more than it uses
+train_data, heldout = corpus.load(folder, args.seq_len)
 facts = corpus.facts(folder)
+facts["unigram_loss"] = corpus.unigram_loss(folder, heldout)
 heldout = heldout[:args.eval_sequences]
 steps_per_epoch = len(train_data) // args.batch_size
 if steps_per_epoch == 0:
@@ -226,7 +228,7 @@ if steps_per_epoch == 0:
                      f"{len(train_data)} training sequences")
 if len(heldout) == 0:
     raise SystemExit(f"train_llama.py: no held-out sequences at --seq-len {args.seq_len} (the "
-                     f"text has {facts['tokens']} tokens; every 20th sequence is held out)")
+                     f"held-out text has {facts['heldout_tokens']} tokens)")
 max_steps = args.max_steps or max(1, round(args.epochs * steps_per_epoch))
 if args.warmup >= max_steps:
     raise SystemExit(f"train_llama.py: --warmup {args.warmup} leaves no decay in {max_steps} "
@@ -395,6 +397,8 @@ if args.resume and (start := ckpt.latest()):
 elif env.rank == 0:
     out.mkdir(parents=True, exist_ok=True)
     metrics_path.unlink(missing_ok=True)
+if env.rank == 0:  # written when a signal stops the run (train_llama.sbatch requeues on it)
+    (out / "stopped.json").unlink(missing_ok=True)
 
 
 # --async-save: the save's own collectives (plans, final barrier) run in a background thread
@@ -438,12 +442,12 @@ if env.rank == 0:
         tb = SummaryWriter(out / "tensorboard", purge_step=progress.step + 1)
 print0(f"{config.model_type} {args.preset if not args.model_path else args.model_path}: "
        f"{sum(q.numel() for q in model.parameters()):,} parameters, {env.world_size} rank(s) on "
-       f"{env.device.type}, {'bf16' if bf16 else 'fp32'}; {facts['train_sequences']} training "
+       f"{env.device.type}, {'bf16' if bf16 else 'fp32'}; {len(train_data)} training "
        f"sequences of {args.seq_len} tokens; steps {max_steps} of {args.batch_size} sequences "
        f"({accum} micro-batch(es) of {args.micro_batch} per rank per step)"
        + (f"; HSDP: {args.replicate} replicas x {env.world_size // args.replicate} shards"
           if args.replicate > 1 else ""))
-print0(f"this run: {max_steps * args.batch_size / len(train_data):.2f} epoch(s) over "
+print0(f"this run: {max_steps * args.batch_size / len(train_data):.3g} epoch(s) over "
        f"{len(train_data) * args.seq_len:,} training tokens")
 
 
@@ -556,6 +560,10 @@ while progress.step < max_steps:
         save()
     if stop:
         finish_save()  # the job is about to end: the checkpoint must be complete
+        if env.rank == 0:
+            (out / "stopped.json").write_text(json.dumps(
+                {"signal": stop_signal[0] if stop_signal else "another rank's",
+                 "step": progress.step}))
         print0(f"stopped by {stop_signal[0] if stop_signal else 'a signal on another rank'} "
                f"after step {progress.step}; checkpoint saved: run again with --resume")
         break
