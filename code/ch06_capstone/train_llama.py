@@ -40,7 +40,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # corpus.py, next to this file
 import corpus  # noqa: E402
@@ -66,16 +65,6 @@ PEAK_BF16_FLOPS = {"H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
                    "H200 NVL": 835e12, "H200": 989e12, "GH200": 989e12, "B200": 2250e12,
                    "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
                    "A10": 125e12, "MI300X": 1307e12}
-
-# --ac selective keeps these ops' outputs for backward and recomputes every other op of a
-# layer: the matmuls and attention cost the FLOPs, the rest (RMSNorm, SiLU, rotary, adds)
-# costs memory. aten ops as the dispatcher sees them (CPU's SDPA has its own kernel).
-aten = torch.ops.aten
-SAVE_OPS = [aten.mm.default, aten.addmm.default, aten.bmm.default,
-            aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_cudnn_attention.default,
-            aten._scaled_dot_product_flash_attention_for_cpu.default]
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 g = p.add_argument_group("model")
@@ -281,10 +270,12 @@ if args.ac != "none":  # before sharding, as in chapter 04
     # HF wraps each decoder layer's call in torch.utils.checkpoint.checkpoint with these kwargs
     # (transformers modeling_utils.py, _activation_checkpointing_enable). Selective: a policy
     # says, op by op, what to keep for backward (torch/utils/checkpoint.py,
-    # create_selective_checkpoint_contexts); torchtitan's op-level SAC is the same idea.
+    # create_selective_checkpoint_contexts): chapter 03's memory.SAC_POLICY keeps the outputs
+    # of the matmuls and of attention (the FLOPs), and recomputes the rest (RMSNorm, SiLU,
+    # rotary, adds: cheap, but most of the bytes), as torchtitan's op-level SAC does.
     kwargs = {"use_reentrant": False}
     if args.ac == "selective":
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, SAVE_OPS)
+        kwargs["context_fn"] = memory.sac_context_fn()
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
 if args.compile:  # each decoder layer on its own (they share code, so one graph serves all)
     for layer in model.model.layers:
