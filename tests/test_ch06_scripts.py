@@ -1,7 +1,7 @@
 """Chapter 06's recipe beyond what the notebook runs: bad input of train_llama.py and corpus.py
-(in this process, before any process group), the data cache (corpus.py), a resume from a
-checkpoint at the last step, a fine-tune of that run's export, and the cluster options in one
-2-process launch that a NaN stops. The notebook (nbval) runs the recipe for real on 2 processes,
+(in this process, before any process group), the data cache (corpus.py), a compiled run resumed
+from a checkpoint at its last step, and a fine-tune of its export with the cluster options, in
+one 2-process launch that a NaN stops. The notebook (nbval) runs the recipe for real on 2 processes,
 on 1 process preempted by SIGTERM, and resumed on two rehearsal "nodes", and asserts the
 held-out loss against the unigram baseline, the parity across world sizes and the export's loss.
 Every option in --help is passed by some run here or in the notebook (test_every_option_runs):
@@ -102,13 +102,17 @@ def rows_of(folder):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """A 2-step run with full activation checkpointing, saved at its last step and exported."""
+    """A 2-step run with each decoder layer compiled, saved at its last step and exported
+    (a copy of the export in base/ for the fine-tune). Backend aot_eager: dynamo and
+    AOTAutograd trace the layer with FSDP2's hooks, no C++ compiler needed (inductor on CPU
+    takes minutes)."""
     tmp = tmp_path_factory.mktemp("ch06")
     args = ["--data-dir", tmp / "data", "--out", tmp / "run", "--vocab-size", "300",
             "--seq-len", "32", "--batch-size", "4", "--micro-batch", "4", "--max-steps", "2",
             "--warmup", "1", "--eval-every", "2", "--save-every", "2", "--no-progress",
-            "--ac", "full", "--preset", "cpu-tiny", "--eval-sequences", "8"]
+            "--compile", "aot_eager", "--preset", "cpu-tiny", "--eval-sequences", "8"]
     run_ok(1, SCRIPT, *args, timeout=600)
+    shutil.copytree(tmp / "run" / "hf", tmp / "base")  # a folder no other test rewrites
     return tmp, args
 
 
@@ -124,52 +128,42 @@ def test_resume_from_the_last_step(exported):
     assert rows_of(tmp / "run") == rows  # nothing trained, nothing logged twice
 
 
-def test_fine_tune_the_export_on_your_text(exported):
-    """--model-path: the export (weights, config, tokenizer) is fine-tuned on --text for 5% of
-    an epoch (--epochs 0.05), with each decoder layer compiled (backend aot_eager: dynamo and AOTAutograd trace
-    the layer with FSDP2's hooks, no C++ compiler needed; inductor on CPU takes minutes)."""
+def test_fine_tune_with_cluster_options_until_a_nan(exported):
+    """One 2-process launch: a fine-tune of the export (--model-path: its weights, config and
+    tokenizer) on --text for a fifth of an epoch, with HSDP (2 replicas), selective AC,
+    asynchronous saves at every step, bf16, no reshard after forward, a reduce-scatter per
+    micro-batch and rows every 2 steps. A NaN injected into step 4's loss stops it before the
+    optimizer step: exit status 3, named on stderr, no checkpoint of step 4, the step-3 one
+    whole (its manifest), and the held-out loss had fallen (it learns the text)."""
     tmp, _ = exported
-    shutil.copytree(tmp / "run" / "hf", tmp / "base")  # a folder no other test rewrites
     (tmp / "mine.txt").write_text(("the cat sat on the mat. " * 43 + "\n") * 20)  # 20 pieces
-    proc = run_ok(1, SCRIPT, "--model-path", tmp / "base", "--text", tmp / "mine.txt",
-                  "--data-dir", tmp / "data", "--out", tmp / "tuned", "--seq-len", "32",
-                  "--batch-size", "4", "--micro-batch", "2", "--epochs", "0.05", "--warmup", "0",
-                  "--eval-every", "1", "--no-progress", "--no-export", "--compile", "aot_eager",
-                  timeout=600)
-    rows = rows_of(tmp / "tuned")
-    n = int(re.search(r"(\d+) training sequences", proc.stdout)[1])
-    steps = round(0.05 * (n // 4))  # --epochs 0.05 of n // 4 steps
-    assert [r["step"] for r in rows if "loss" in r] == list(range(1, steps + 1)) and steps >= 2
-    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]  # it learns the cat
-    assert f"this run: {steps * 4 / n:.3g} epoch(s)" in proc.stdout
-    assert not (tmp / "tuned" / "hf").exists()
-
-
-def test_nonfinite_guard_and_cluster_options(tmp_path):
-    """One 2-process launch with HSDP (2 replicas), selective AC, asynchronous saves at every
-    step, bf16, no reshard after forward, a reduce-scatter per micro-batch and rows every 2
-    steps; a NaN injected into step 4's loss stops it before the optimizer step: exit status
-    3, named on stderr, no checkpoint of step 4 and the step-3 one whole (its manifest)."""
+    out = tmp / "tuned"
     proc = run_launcher(
-        2, SCRIPT, "--data-dir", tmp_path / "data", "--out", tmp_path / "run", "--vocab-size",
-        "300", "--seq-len", "32", "--batch-size", "8", "--micro-batch", "2", "--max-steps", "6",
-        "--warmup", "1", "--eval-every", "6", "--eval-sequences", "4", "--save-every", "1",
-        "--keep", "2", "--no-progress", "--replicate", "2", "--ac", "selective", "--async-save",
-        "--reshard-after-forward", "0", "--precision", "bf16", "--sync-every-microbatch",
-        "--lr", "1e-3", "--min-lr", "1e-4", "--weight-decay", "0.05", "--betas", "0.9", "0.99", "--clip", "0.5",
-        "--seed", "1", "--peak-tflops", "100", "--timeout", "120", "--log-every", "2",
+        2, SCRIPT, "--model-path", tmp / "base", "--text", tmp / "mine.txt", "--data-dir",
+        tmp / "data", "--out", out, "--seq-len", "32", "--batch-size", "8", "--micro-batch", "2",
+        "--epochs", "0.2", "--warmup", "1", "--eval-every", "2", "--eval-sequences", "4",
+        "--save-every", "1", "--keep", "2", "--no-progress", "--no-export", "--replicate", "2",
+        "--ac", "selective", "--async-save", "--reshard-after-forward", "0", "--precision",
+        "bf16", "--sync-every-microbatch", "--lr", "1e-3", "--min-lr", "1e-4",
+        "--weight-decay", "0.05", "--betas", "0.9", "0.99", "--clip", "0.5", "--seed", "1",
+        "--peak-tflops", "100", "--timeout", "120", "--log-every", "2",
         env={"TRAIN_LLAMA_NAN_AT_STEP": "4"}, timeout=600)
     assert proc.returncode != 0, proc.stdout
     assert ("non-finite loss nan or gradient norm nan at step 4: stopped without saving; newest "
             "good checkpoint: step_000003") in proc.stderr, proc.stderr
     assert "bf16" in proc.stdout and "HSDP: 2 replicas x 1 shards" in proc.stdout
-    ckpt = CheckpointDir(tmp_path / "run" / "checkpoints")
+    n = int(re.search(r"(\d+) training sequences", proc.stdout)[1])
+    steps = round(0.2 * (n // 8))  # --epochs 0.2 of n // 8 steps
+    assert steps > 4 and f"this run: {steps * 8 / n:.3g} epoch(s)" in proc.stdout
+    ckpt = CheckpointDir(out / "checkpoints")
     assert [p.name for p in ckpt.committed()] == ["step_000002", "step_000003"]
     assert ckpt.problem(ckpt.committed()[-1]) is None
     assert not list(ckpt.root.glob("*.tmp"))
-    rows = rows_of(tmp_path / "run")
+    rows = rows_of(out)
     assert [r["step"] for r in rows] == [0, 2]  # --log-every 2: step 4 never logged
-    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows[1:])
+    assert math.isfinite(rows[1]["loss"]) and math.isfinite(rows[1]["grad_norm"])
+    assert rows[1]["eval_loss"] < rows[0]["eval_loss"]  # it learns the cat
+    assert not (out / "hf").exists()
 
 
 # Options no run here can pass, and why (each still has its bad-input or message test)

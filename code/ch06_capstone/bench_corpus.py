@@ -15,7 +15,6 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

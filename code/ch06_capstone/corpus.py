@@ -186,10 +186,9 @@ def prepare(data_dir: str | os.PathLike, vocab_size: int, seq_len: int | None = 
         held = write_tokens(tmp / "heldout.bin", split_pieces(files, held=True), eos, dtype,
                             tokenizer, bar)
     counts = np.zeros(len(tokenizer), dtype=np.int64)
-    ids = np.memmap(tmp / "train.bin", dtype=dtype, mode="r")
-    for i in range(0, len(ids), 1 << 24):  # in blocks: bounded memory
-        counts += np.bincount(ids[i:i + (1 << 24)], minlength=len(tokenizer))
-    del ids
+    with open(tmp / "train.bin", "rb") as f:  # read in blocks of 1 Mi ids: bounded memory
+        while (block := np.fromfile(f, dtype=dtype, count=1 << 20)).size:
+            counts += np.bincount(block, minlength=len(tokenizer))
     np.save(tmp / "counts.npy", counts)
     tok_hash = hashlib.sha256((tmp / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
     index = {"format": FORMAT, "dtype": np.dtype(dtype).name, "vocab_size": len(tokenizer),
