@@ -167,9 +167,8 @@ if args.batch_size % (world * args.micro_batch):
     p.error(f"--batch-size {args.batch_size} must be a multiple of {world} ranks x "
             f"--micro-batch {args.micro_batch}")
 if args.compile and args.ac != "none":
-    p.error("--compile with --ac: not combined in this script (HF's checkpoint wraps the "
-            "layer's call, selective AC's dispatch mode does not run inside compiled code; "
-            "torchtitan applies AC, then compile, to its own blocks); choose one")
+    p.error("--compile with --ac: not combined in this script (never tested together here; "
+            "torchtitan wraps its blocks for AC first, then compiles them); choose one")
 if args.vocab_size < 257 and not args.model_path:
     p.error("--vocab-size must be >= 257 (the 256 bytes and the end-of-text token)")
 if not 0 <= args.min_lr <= args.lr or args.warmup < 0 or args.save_every < 0 or args.keep < 2:
