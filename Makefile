@@ -71,6 +71,13 @@ lab: setup
 print-%:  # the value of a variable: make -s print-LAB_COMMAND
 	@echo '$($*)'
 
+# Every chapter's GPU path (NCCL, bf16, offload, flight recorder, 2-D meshes with >= 4 GPUs) at
+# tiny size, one PASS/FAIL/SKIP line per script; without CUDA it says so and exits 0. See
+# code/distkit/gpu_smoke.py.
+.PHONY: gpu-smoke
+gpu-smoke: setup
+	$(BIN)/python -m distkit.gpu_smoke
+
 # The explanatory diagrams in images/ are drawn by code, so a diagram is fixed and redrawn.
 images: setup
 	$(BIN)/python -m distkit.diagrams

@@ -2,7 +2,7 @@
 prints one torchrun command per node (node count, GPUs, rendezvous, job id, script), whose options
 exist in the installed torchrun and in train_llama.py; options after the template's name reach
 train_llama.py; the real path, with srun and scontrol stood in by scripts, runs that same command
-and requeues only a run that has not finished. Bash only: no torch import, no launch."""
+and requeues only a run that a signal stopped (OUT/stopped.json), not any failure. Bash only: no torch import, no launch."""
 import importlib.util
 import os
 import re
@@ -63,7 +63,10 @@ def test_dry_run_one_command_per_node(tmp_path, env, nodes, job):
                     "--rdzv-endpoint": "node001:29500", "--rdzv-id": job,
                     "--shutdown-timeout": grace}  # the template's value, checked below
     assert {"--preset", "--resume", "--save-every", "--out"} <= set(script)
-    assert {"OMP_NUM_THREADS=8", "PYTHONPATH=code"} <= set(proc.stdout.splitlines()[0].split())
+    assert script[script.index("--replicate") + 1] == str(nodes)  # HSDP: a replica per node
+    assert {"OMP_NUM_THREADS=8", "PYTHONPATH=code",
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"} <= set(
+        proc.stdout.splitlines()[0].split())
     assert str(ROOT) not in proc.stdout and str(tmp_path) not in proc.stdout
 
 
@@ -105,17 +108,18 @@ def fake_slurm(tmp_path):
     return tmp_path, slurm
 
 
-@pytest.mark.parametrize("finished, restarts, srun_status, requeued", [
-    (False, "0", "1", True),    # stopped by the signal: queue it again
-    (True, "0", "0", False),    # the export is there: done
-    (False, "3", "1", False),   # requeued 3 times already: give up
+@pytest.mark.parametrize("stopped, restarts, srun_status, requeued", [
+    (True, "0", "143", True),   # stopped by the signal (and saved): queue it again
+    (False, "0", "0", False),   # finished
+    (False, "0", "1", False),   # failed (an OOM, a NaN, a bad option): requeueing won't help
+    (True, "3", "143", False),  # requeued 3 times already: give up
 ])
-def test_real_path_runs_srun_and_requeues_unfinished(fake_slurm, finished, restarts,
-                                                     srun_status, requeued):
+def test_real_path_runs_srun_and_requeues_after_a_signal_stop(fake_slurm, stopped, restarts,
+                                                              srun_status, requeued):
     tmp_path, slurm = fake_slurm
-    if finished:
-        (tmp_path / "out" / "hf").mkdir(parents=True)
-        (tmp_path / "out" / "hf" / "config.json").write_text("{}")
+    if stopped:  # what train_llama.py writes after its signal-stop checkpoint
+        (tmp_path / "out").mkdir(parents=True)
+        (tmp_path / "out" / "stopped.json").write_text('{"signal": "SIGTERM", "step": 7}')
     proc = run("--max-steps", "10", SLURM_RESTART_COUNT=restarts, SRUN_STATUS=srun_status,
                **slurm)
     assert proc.returncode == int(srun_status), proc.stderr

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      set_model_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # corpus.py, next to this file
@@ -89,8 +90,17 @@ g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                     "reductions; auto (default): bf16 on GPU, fp32 on CPU")
 g.add_argument("--cpu-offload", action="store_true",
                help="keep shards, gradients and AdamW state in host memory (GPU only)")
-g.add_argument("--activation-checkpointing", action="store_true",
-               help="recompute each decoder layer's activations in backward")
+g.add_argument("--ac", choices=["none", "selective", "full"], default="none",
+               help="activation checkpointing of each decoder layer: full recomputes all of its "
+                    "forward in backward; selective keeps the matmul and attention outputs and "
+                    "recomputes the cheap rest (norms, activations, rotary); default none")
+g.add_argument("--replicate", type=int, metavar="N", default=1,
+               help="HSDP: N replicas of a model sharded over WORLD_SIZE/N ranks (e.g. N = "
+                    "nodes: the all-gathers and reduce-scatters stay within a node, one "
+                    "gradient all-reduce crosses nodes); default 1: shard over all ranks")
+g.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
+               help="torch.compile each decoder layer (default backend inductor; "
+                    "aot_eager traces without generating kernels)")
 g = p.add_argument_group("optimisation")
 g.add_argument("--batch-size", type=int, metavar="N", default=16,
                help="sequences per optimizer step, all ranks together (default %(default)s)")
@@ -128,6 +138,12 @@ g.add_argument("--keep", type=int, metavar="N", default=2,
                help="checkpoints to keep (default %(default)s)")
 g.add_argument("--resume", action="store_true",
                help="continue from the newest good checkpoint in OUT/checkpoints (if any)")
+g.add_argument("--async-save", action="store_true",
+               help="write checkpoints in a background thread (dcp.async_save): the step waits "
+                    "only for a copy to host memory; each save is committed once written")
+g.add_argument("--log-every", type=int, metavar="STEPS", default=1,
+               help="steps between metrics rows (default 1); the loss and the stop flag are "
+                    "shared every step anyway, memory is gathered only when logging")
 g.add_argument("--no-export", action="store_true", help="skip the Hugging Face export at the end")
 g.add_argument("--tensorboard", action="store_true",
                help="also log to OUT/tensorboard/ (needs the tensorboard package)")
@@ -141,11 +157,18 @@ args = p.parse_args()
 
 # Bad input: one line and exit status 2, before any process group exists.
 world = int(os.environ.get("WORLD_SIZE", 1))
-if min(args.batch_size, args.micro_batch, args.seq_len - 1, args.eval_every) < 1:
-    p.error("--batch-size, --micro-batch and --eval-every must be >= 1, --seq-len >= 2")
+if min(args.batch_size, args.micro_batch, args.seq_len - 1, args.eval_every, args.log_every,
+       args.replicate) < 1:
+    p.error("--batch-size, --micro-batch, --eval-every, --log-every and --replicate must be "
+            ">= 1, --seq-len >= 2")
+if world % args.replicate:
+    p.error(f"--replicate {args.replicate} must divide the {world} ranks")
 if args.batch_size % (world * args.micro_batch):
     p.error(f"--batch-size {args.batch_size} must be a multiple of {world} ranks x "
             f"--micro-batch {args.micro_batch}")
+if args.compile and args.ac != "none":
+    p.error("--compile with --ac: not combined in this script (never tested together here; "
+            "torchtitan wraps its blocks for AC first, then compiles them); choose one")
 if args.vocab_size < 257 and not args.model_path:
     p.error("--vocab-size must be >= 257 (the 256 bytes and the end-of-text token)")
 if not 0 <= args.min_lr <= args.lr or args.warmup < 0 or args.save_every < 0 or args.keep < 2:
@@ -180,10 +203,12 @@ tokenizer = None
 if args.model_path:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-folder = corpus.prepare_on_ranks(env.local_rank, args.data_dir, args.vocab_size, args.seq_len,
+folder = corpus.prepare_on_ranks(env.local_rank, args.data_dir, args.vocab_size,
                                  tokenizer=tokenizer, files=args.text)
-train_data, heldout = corpus.load(folder)
+# (sequences, seq_len) views of the token files, mapped: no rank reads more than it uses
+train_data, heldout = corpus.load(folder, args.seq_len)
 facts = corpus.facts(folder)
+facts["unigram_loss"] = corpus.unigram_loss(folder, heldout)
 heldout = heldout[:args.eval_sequences]
 steps_per_epoch = len(train_data) // args.batch_size
 if steps_per_epoch == 0:
@@ -191,7 +216,7 @@ if steps_per_epoch == 0:
                      f"{len(train_data)} training sequences")
 if len(heldout) == 0:
     raise SystemExit(f"train_llama.py: no held-out sequences at --seq-len {args.seq_len} (the "
-                     f"text has {facts['tokens']} tokens; every 20th sequence is held out)")
+                     f"held-out text has {facts['heldout_tokens']} tokens)")
 max_steps = args.max_steps or max(1, round(args.epochs * steps_per_epoch))
 if args.warmup >= max_steps:
     raise SystemExit(f"train_llama.py: --warmup {args.warmup} leaves no decay in {max_steps} "
@@ -226,19 +251,41 @@ else:
     config = LlamaConfig(vocab_size=facts["vocab_size"], max_position_embeddings=args.seq_len,
                          rms_norm_eps=1e-5, bos_token_id=eos, eos_token_id=eos,
                          pad_token_id=eos, **PRESETS[args.preset])
+# use_cache=True (LlamaConfig's default) makes every forward build a DynamicCache of K and V,
+# copied with torch.cat, for nothing: training never generates. (The export turns it back on.)
+config.use_cache = False
 full_state = {}
 if env.rank == 0:  # the only full copy, in host memory: any world size starts from these weights
     if args.model_path:
-        full = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+        full = AutoModelForCausalLM.from_pretrained(args.model_path, config=config,
+                                                    dtype=torch.float32)
     else:
         torch.manual_seed(args.seed)
         full = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     full_state = full.state_dict()
 with torch.device("meta"):  # shapes only: no memory, no random numbers
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-if args.activation_checkpointing:  # before sharding, as in chapter 04
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+if args.ac != "none":  # before sharding, as in chapter 04
+    # HF wraps each decoder layer's call in torch.utils.checkpoint.checkpoint with these kwargs
+    # (transformers modeling_utils.py, _activation_checkpointing_enable). Selective: a policy
+    # says, op by op, what to keep for backward (torch/utils/checkpoint.py,
+    # create_selective_checkpoint_contexts): chapter 03's memory.SAC_POLICY keeps the outputs
+    # of the matmuls and of attention (the FLOPs), and recomputes the rest (RMSNorm, SiLU,
+    # rotary, adds: cheap, but most of the bytes), as torchtitan's op-level SAC does.
+    kwargs = {"use_reentrant": False}
+    if args.ac == "selective":
+        kwargs["context_fn"] = memory.sac_context_fn()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+if args.compile:  # each decoder layer on its own (they share code, so one graph serves all)
+    for layer in model.model.layers:
+        layer.compile(backend=args.compile)
 fsdp = {"reshard_after_forward": bool(args.reshard_after_forward)}
+if args.replicate > 1:  # HSDP: a 2-D mesh, rows replicate, columns shard (chapter 04)
+    # init_device_mesh numbers row-major: rank r is in replica r // S at shard r % S, so with
+    # torchrun's consecutive ranks per node and N = nodes, each node holds one whole replica.
+    fsdp["mesh"] = init_device_mesh(env.device.type, (args.replicate,
+                                    env.world_size // args.replicate),
+                                    mesh_dim_names=("replicate", "shard"))
 if bf16:  # compute in bf16; parameters (AdamW's copy) and gradient reductions stay fp32
     fsdp["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 if args.cpu_offload:
@@ -340,12 +387,34 @@ if args.resume and (start := ckpt.latest()):
 elif env.rank == 0:
     out.mkdir(parents=True, exist_ok=True)
     metrics_path.unlink(missing_ok=True)
+if env.rank == 0:  # written when a signal stops the run (train_llama.sbatch requeues on it)
+    (out / "stopped.json").unlink(missing_ok=True)
+
+
+# --async-save: the save's own collectives (plans, final barrier) run in a background thread
+# while the step runs FSDP's; a process group of their own keeps the two apart (chapter 05;
+# async_save needs a CPU backend, gloo, even where training uses NCCL).
+ckpt_group = dist.new_group(backend="gloo") if args.async_save else None
+uploading = []  # (step, future) of the save being written in the background, if any
+
+
+def finish_save():
+    """Wait for the background save (if any) and commit it: only then is it "latest"."""
+    if uploading:
+        step, future = uploading.pop()
+        future.result()
+        ckpt.commit(step, world_size=env.world_size)
 
 
 def save():
+    finish_save()  # one upload at a time: the previous one is sealed before the next begins
     folder = ckpt.begin(progress.step)
-    dcp.save(state, checkpoint_id=folder)  # every rank writes its own shards, in parallel
-    ckpt.commit(progress.step, world_size=env.world_size)
+    if args.async_save:  # returns once this rank's state is copied to host memory
+        uploading.append((progress.step, dcp.async_save(state, checkpoint_id=folder,
+                                                        process_group=ckpt_group)))
+    else:
+        dcp.save(state, checkpoint_id=folder)  # every rank writes its own shards, in parallel
+        ckpt.commit(progress.step, world_size=env.world_size)
 
 
 # Preemption: Slurm sends SIGTERM at the time limit (earlier with sbatch --signal=TERM@SECONDS),
@@ -363,9 +432,13 @@ if env.rank == 0:
         tb = SummaryWriter(out / "tensorboard", purge_step=progress.step + 1)
 print0(f"{config.model_type} {args.preset if not args.model_path else args.model_path}: "
        f"{sum(q.numel() for q in model.parameters()):,} parameters, {env.world_size} rank(s) on "
-       f"{env.device.type}, {'bf16' if bf16 else 'fp32'}; {facts['train_sequences']} training "
+       f"{env.device.type}, {'bf16' if bf16 else 'fp32'}; {len(train_data)} training "
        f"sequences of {args.seq_len} tokens; steps {max_steps} of {args.batch_size} sequences "
-       f"({accum} micro-batch(es) of {args.micro_batch} per rank per step)")
+       f"({accum} micro-batch(es) of {args.micro_batch} per rank per step)"
+       + (f"; HSDP: {args.replicate} replicas x {env.world_size // args.replicate} shards"
+          if args.replicate > 1 else ""))
+print0(f"this run: {max_steps * args.batch_size / len(train_data):.3g} epoch(s) over "
+       f"{len(train_data) * args.seq_len:,} training tokens")
 
 
 def record(row: dict):
@@ -385,8 +458,44 @@ if env.rank == 0 and not args.no_progress:
 if progress.step == 0:
     record({"step": 0, "eval_loss": evaluate(), "unigram_loss": facts["unigram_loss"]})
 
+def log_row(loss: float, lr: float, gnorm: float, last: bool):
+    """A metrics row (and the held-out loss when due): the only place that gathers memory."""
+    seconds = window["seconds"] / window["steps"]  # per step, over the steps since the last row
+    row = {"step": progress.step, "loss": loss, "lr": lr, "grad_norm": gnorm,
+           "tokens": progress.tokens, "tokens_per_s": args.batch_size * args.seq_len / seconds,
+           "step_s": seconds}
+    window.update(steps=0, seconds=0.0)
+    if peak:
+        row["mfu"] = flops_per_token * row["tokens_per_s"] / (peak * env.world_size)
+    # memory per rank: the CUDA caching allocator's peak since the last row on GPU, the
+    # process's resident memory (everything: Python, torch, buffers) on CPU
+    if env.device.type == "cuda":
+        mine = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        mine = psutil.Process().memory_info().rss
+    per_rank = torch.zeros(env.world_size, device=env.device)
+    dist.all_gather_single(per_rank, torch.tensor([mine / 2**20], device=env.device))
+    row["mem_mib"] = [round(m, 1) for m in per_rank.tolist()]
+    if progress.step % args.eval_every == 0 or last:
+        row["eval_loss"] = evaluate()
+        row["eval_ppl"] = math.exp(row["eval_loss"])
+        msg = (f"step {progress.step}: eval loss {row['eval_loss']:.3f} (perplexity "
+               f"{row['eval_ppl']:.1f}; unigram baseline {facts['unigram_loss']:.3f})")
+        bar.write(msg) if bar else print0(msg)
+    record(row)
+    if bar:
+        bar.update(progress.step - bar.n)
+        bar.set_postfix({"loss": f"{loss:.3f}", "lr": f"{lr:.2e}", "gnorm": f"{gnorm:.2f}",
+                         "tok/s": f"{row['tokens_per_s']:.0f}",
+                         "mfu": f"{row['mfu']:.1%}" if "mfu" in row else "n/a"}, refresh=False)
+
+
 model.train()
 stop = False
+# A test's fault injection (not an option): the loss of this step becomes NaN.
+nan_at = int(os.environ.get("TRAIN_LLAMA_NAN_AT_STEP", 0))
+window = {"steps": 0, "seconds": 0.0}  # since the last metrics row
 while progress.step < max_steps:
     t0 = time.perf_counter()
     lr = lr_at(progress.step)
@@ -400,50 +509,55 @@ while progress.step < max_steps:
         # --sync-every-microbatch trades that memory for a reduce-scatter per micro-batch.
         model.set_requires_gradient_sync(args.sync_every_microbatch or i == accum - 1)
         loss = model(input_ids=x, labels=x).loss / accum  # mean over this rank's share
+        if progress.step + 1 == nan_at:
+            loss = loss * float("nan")
         loss.backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
+    # One small all-reduce and one host sync per step, for what every rank must agree on: the
+    # mean loss, "stop?" and the gradient norm (the same on every rank; summed, then divided).
+    stop_flag = torch.tensor(float(bool(stop_signal)), device=env.device)
+    shared = torch.stack([loss_sum, stop_flag, grad_norm.float()])
+    dist.all_reduce(shared)
+    loss, stop, gnorm = shared.tolist()
+    loss, stop, gnorm = loss / env.world_size, stop > 0, gnorm / env.world_size
+    if not (math.isfinite(loss) and math.isfinite(gnorm)):
+        # Before optimizer.step: a NaN gradient would make every weight NaN, and a save would
+        # then push the good checkpoints out (--keep). So: no step, no save, exit status 3.
+        finish_save()  # an earlier save still uploading is good: seal it
+        newest = ckpt.latest()
+        print0(f"train_llama.py: non-finite loss {loss} or gradient norm {gnorm} at step "
+               f"{progress.step + 1}: stopped without saving; newest good checkpoint: "
+               f"{newest.name if newest else 'none'}", file=sys.stderr)
+        if log:
+            log.close()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)  # as distkit's teardown(), with the failure's status
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     progress.step += 1
     progress.tokens += args.batch_size * args.seq_len
-    # one small all-reduce for what every rank must agree on: the mean loss and "stop?"
-    shared = torch.stack([loss_sum, torch.tensor(float(bool(stop_signal)), device=env.device)])
-    dist.all_reduce(shared)
-    loss, stop = shared[0].item() / env.world_size, shared[1].item() > 0
-    seconds = time.perf_counter() - t0
-    row = {"step": progress.step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
-           "tokens": progress.tokens, "tokens_per_s": args.batch_size * args.seq_len / seconds,
-           "step_s": seconds}
-    if peak:
-        row["mfu"] = flops_per_token * row["tokens_per_s"] / (peak * env.world_size)
-    # memory per rank: the CUDA caching allocator's peak on GPU, the process's resident memory
-    # (everything: Python, torch, buffers) on CPU
-    mine = (torch.cuda.max_memory_allocated() if env.device.type == "cuda"
-            else psutil.Process().memory_info().rss)
-    per_rank = torch.zeros(env.world_size, device=env.device)
-    dist.all_gather_single(per_rank, torch.tensor([mine / 2**20], device=env.device))
-    row["mem_mib"] = [round(m, 1) for m in per_rank.tolist()]
-    if progress.step % args.eval_every == 0 or progress.step == max_steps:
-        row["eval_loss"] = evaluate()
-        row["eval_ppl"] = math.exp(row["eval_loss"])
-        msg = (f"step {progress.step}: eval loss {row['eval_loss']:.3f} (perplexity "
-               f"{row['eval_ppl']:.1f}; unigram baseline {facts['unigram_loss']:.3f})")
-        bar.write(msg) if bar else print0(msg)
-    record(row)
-    if bar:
-        bar.update(1)
-        bar.set_postfix({"loss": f"{loss:.3f}", "lr": f"{lr:.2e}", "gnorm": f"{row['grad_norm']:.2f}",
-                         "tok/s": f"{row['tokens_per_s']:.0f}",
-                         "mfu": f"{row['mfu']:.1%}" if "mfu" in row else "n/a"}, refresh=False)
+    window["steps"] += 1
+    window["seconds"] += time.perf_counter() - t0
+    last = progress.step == max_steps
+    if last or stop or progress.step % args.log_every == 0 or progress.step % args.eval_every == 0:
+        log_row(loss, lr, gnorm, last)
     if stop or (args.save_every and progress.step % args.save_every == 0):
         save()
     if stop:
+        finish_save()  # the job is about to end: the checkpoint must be complete
+        if env.rank == 0:
+            (out / "stopped.json").write_text(json.dumps(
+                {"signal": stop_signal[0] if stop_signal else "another rank's",
+                 "step": progress.step}))
         print0(f"stopped by {stop_signal[0] if stop_signal else 'a signal on another rank'} "
                f"after step {progress.step}; checkpoint saved: run again with --resume")
         break
+finish_save()
 
 if bar:
     bar.close()
@@ -455,6 +569,7 @@ if not stop and not args.no_export:  # a Hugging Face folder: from_pretrained + 
             export = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         export.load_state_dict(full, assign=True)
         export.tie_weights()
+        export.config.use_cache = True  # for generate(): the KV cache is what inference wants
         export.save_pretrained(out / "hf")
         (tokenizer or corpus.tokenizer(folder)).save_pretrained(out / "hf")
         print0(f"exported to {out / 'hf'}")

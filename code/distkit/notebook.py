@@ -250,7 +250,11 @@ def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 6
     node of a cluster would run it. torchrun's c10d rendezvous assigns the ranks. Prints each
     "node"'s output once all are done (node order, so it reads the same every time) and raises
     CalledProcessError if any failed; after `timeout` seconds, stops them all and raises
-    TimeoutExpired (a "node" that never joins would otherwise keep the others waiting)."""
+    TimeoutExpired (a "node" that never joins would otherwise keep the others waiting).
+    On a machine with CUDA GPUs each "node" sees its own block of NPROC of them
+    (CUDA_VISIBLE_DEVICES), as a real node does: each node's ranks have LOCAL_RANK 0..NPROC-1,
+    and two "nodes" sharing cuda:0 would make NCCL refuse ("Duplicate GPU detected")."""
+    gpus = _gpus_per_node(nnodes, nproc)
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -262,8 +266,11 @@ def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 6
     env = {**os.environ, "PYTHON": sys.executable, "NNODES": str(nnodes),
            "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": f"rehearsal{port}",
            "SHUTDOWN_TIMEOUT": str(SHUTDOWN_S), **CALLER_STOPS}
+    if gpus:
+        print(f"(each node its own GPUs: CUDA_VISIBLE_DEVICES={' / '.join(gpus)})", flush=True)
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) for _ in range(nnodes)]
+                              env={**env, **({"CUDA_VISIBLE_DEVICES": gpus[n]} if gpus else {})})
+             for n in range(nnodes)]
     deadline = time.monotonic() + timeout
     try:
         outputs = [p.communicate(timeout=max(1, deadline - time.monotonic()))[0] for p in procs]
@@ -284,6 +291,20 @@ def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 6
     for p, out in zip(procs, outputs):
         if p.returncode:
             raise subprocess.CalledProcessError(p.returncode, cmd, out)
+
+
+def _gpus_per_node(nnodes: int, nproc: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES for each rehearsal "node" (empty list: CPU, nothing to split)."""
+    import torch
+    if os.environ.get("COURSE_DEVICE", "").strip().lower() == "cpu" or not torch.cuda.is_available():
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if len(ids) < nnodes * nproc:
+        raise RuntimeError(f"a rehearsal of {nnodes} nodes x {nproc} GPUs needs {nnodes * nproc} "
+                           f"GPUs, this machine has {len(ids)}: set COURSE_DEVICE=cpu to rehearse "
+                           "on the CPU")
+    return [",".join(ids[n * nproc:(n + 1) * nproc]) for n in range(nnodes)]
 
 
 launch.stacks = {}
