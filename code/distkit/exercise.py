@@ -207,6 +207,19 @@ class Runner:
         return json.loads(out.read_text())
 
 
+    def single(self, script: str, *args) -> dict:
+        """Run a one-process reference (a script in code/ that needs no process group) with
+        plain Python and --json; returns the dict it wrote."""
+        self.count += 1
+        out = self.tmp / f"single-{self.count}.json"
+        proc = subprocess.run([sys.executable, str(CODE / script), *map(str, args), "--json",
+                               str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=self.ex.timeout, env=_env())
+        if proc.returncode:
+            raise Fail(f"the one-process reference {script} failed: {_launch_error(proc.stdout)}")
+        return json.loads(out.read_text())
+
+
 def _env() -> dict:
     import os
     return {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable),
@@ -296,5 +309,5 @@ def main(argv=None):
     sys.exit(0 if ok else 1)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # run as distkit.exercise, whose REGISTRY the entries fill
+    importlib.import_module("distkit.exercise").main()
