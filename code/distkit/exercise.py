@@ -115,6 +115,11 @@ def write_starters(check_only: bool = False) -> list[Path]:
 
 # --- the checker -------------------------------------------------------------------------------
 
+# A process group of one, without torchrun; port 0: the OS picks a free one when the store binds.
+ONE_PROCESS = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": "0"}
+
+
 class Fail(Exception):
     """A check that failed: its message is the one line the learner reads."""
 
@@ -208,13 +213,14 @@ class Runner:
 
 
     def single(self, script: str, *args) -> dict:
-        """Run a one-process reference (a script in code/ that needs no process group) with
-        plain Python and --json; returns the dict it wrote."""
+        """Run a one-process reference (a script in code/) with plain Python, in a process
+        group of one where it makes one, and --json; returns the dict it wrote."""
         self.count += 1
         out = self.tmp / f"single-{self.count}.json"
         proc = subprocess.run([sys.executable, str(CODE / script), *map(str, args), "--json",
                                str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=self.ex.timeout, env=_env())
+                              text=True, timeout=self.ex.timeout,
+                              env={**_env(), **ONE_PROCESS})
         if proc.returncode:
             raise Fail(f"the one-process reference {script} failed: {_launch_error(proc.stdout)}")
         return json.loads(out.read_text())

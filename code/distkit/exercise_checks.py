@@ -15,12 +15,12 @@ def first_diff(mine, reference, tol):
     return None
 
 
-def losses_match(mine, reference, tol, what="one process"):
+def losses_match(mine, reference, tol, what="one process's"):
     """The usual check: every step's loss within tol of the reference's."""
     bad = first_diff(mine, reference, tol)
     return (len(mine) == len(reference) and bad is None,
-            f"losses = {what}'s at every step (< {tol:.0e})",
-            f"losses differ from {what}'s at step {bad[0]} by {bad[1]:.1e} (tolerance {tol:.0e})"
+            f"losses = {what} at every step (< {tol:.0e})",
+            f"losses differ from {what} at step {bad[0]} by {bad[1]:.1e} (tolerance {tol:.0e})"
             if bad else f"{len(mine)} losses for {len(reference)} steps")
 
 
@@ -81,7 +81,7 @@ def manual_ddp(run):
         yield (ident["broadcast"], f"{mode}: after the broadcast, weights and buffers identical",
                f"{mode}: after the broadcast the ranks' weights or buffers still differ")
         yield losses_match(res["losses"], single, 1e-4,
-                           f"train_single.py --batch-size {run.nproc * b}")
+                           f"train_single.py --batch-size {run.nproc * b}'s")
         yield (res["calls_per_step"] == calls, f"{mode}: {calls} all_reduce call(s) per step",
                f"{mode}: {res['calls_per_step']} all_reduce calls counted per step, expected "
                f"{calls}")
@@ -117,3 +117,72 @@ def overlap(run):
            f"bucketed: {len(buckets)} buckets, each closed once it reached --bucket-mb",
            f"bucketed: buckets of {buckets} bytes: each but the last should reach "
            f"{cap:,.0f} bytes, and there should be more than 1 and fewer than {n}")
+
+
+@exercise("02.1", "ch02_model_parallel/exercises/ex02_gpipe_by_hand.py")
+def gpipe(run):
+    layers = 3 if run.nproc == 3 else 2  # every stage as many decoder layers
+    m, batch, samples = 4, 16, 64
+    args = ("--microbatches", m, "--layers", layers, "--samples", samples, "--epochs", 1)
+    single = run.single("ch02_model_parallel/naive_split.py", "--layers", layers,
+                        "--samples", samples, "--epochs", 1)["losses"]
+    res = run(*args)
+    yield losses_match(res["losses"], single, 1e-4, "naive_split.py's on one process")
+    steps = samples // batch
+    forwards = [sum(s[0] == "F" for s in spans) for spans in res["spans"]]
+    yield (forwards == [m * steps] * run.nproc,
+           f"every stage ran {m} forwards per step ({m * steps} in {steps} steps)",
+           f"forwards timed per stage: {forwards}, expected {m * steps} each "
+           "(timeline.span(\"F\", i) around each micro-batch's compute)")
+    backwards = [sum(s[0] == "B" for s in spans) for spans in res["spans"]]
+    yield (backwards == [m * steps] * run.nproc, f"and {m} backwards per step",
+           f"backwards timed per stage: {backwards}, expected {m * steps} each")
+
+
+@exercise("02.2", "ch02_model_parallel/exercises/ex02_megatron_mlp.py", nprocs=(2, 4))
+def megatron(run):
+    res = run()
+    act = res["activation_bytes"]
+    for way in ("forward", "backward"):
+        n, b = res["all_reduce_calls"][way], res["all_reduce_bytes"][way]
+        yield ((n, b) == (1, act), f"{way}: 1 all_reduce of one [B, S, h] activation ({act} B)",
+               f"{way}: {n} all_reduce(s) of {b} B in all; Megatron's MLP makes 1 of {act} B")
+    for name, errors in res["errors"].items():
+        for what, err in errors.items():
+            tol = res["tolerances"][what]
+            yield (err < tol, f"{name}: {what} = the unsharded model's (< {tol:g})",
+                   f"{name}: {what} differs from the unsharded model's by {err:.1e} "
+                   f"(tolerance {tol:g})")
+
+
+@exercise("04.1", "ch04_fsdp2/exercises/ex04_meta_init.py")
+def meta_init(run):
+    res = run("--steps", "3")
+    N = run.nproc
+    names = ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
+    exact = res["inv_freq_exact"]
+    yield (exact == [True] * N, "inv_freq and original_inv_freq bit-exact on every rank",
+           f"inv_freq or original_inv_freq differ from the reference's on ranks "
+           f"{[r for r, ok in enumerate(exact) if not ok]}: {', '.join(names)} are in no "
+           "state dict, so they must be recomputed")
+    yield losses_match(res["losses"], res["single_losses"], res["tolerance"])
+    held, whole = res["param_bytes_held"], res["param_bytes"]
+    yield (sum(held) == whole and max(held) < whole,
+           f"each rank holds its shard only: {held} bytes of {whole:,}",
+           f"parameter bytes held per rank {held}, of {whole:,}: each should hold a shard")
+
+
+@exercise("04.2", "ch04_fsdp2/exercises/ex04_grad_accum.py")
+def grad_accum(run):
+    k = 4
+    res = run("--steps", "2", "--micro-batches", k)
+    units = res["fsdp_units"]
+    for mode, r in res["modes"].items():
+        yield losses_match(r["losses"], res["single_losses"], res["tolerance"],
+                           "one process's on the global batch")
+        want = k * units if mode == "every" else units
+        got = {c.get("_reduce_scatter_base_", 0) for c in r["counts"]}
+        label = {"every": "sync every micro-batch", "last": "sync on the last only"}[mode]
+        yield (got == {want}, f"{label}: {want} reduce-scatters per step ({units} FSDP units)",
+               f"{label}: {sorted(got)} reduce-scatters per step, expected {want} "
+               f"({units} FSDP units{', once per step' if mode == 'last' else ''})")

@@ -74,7 +74,7 @@ for epoch in range(args.epochs):
             # TODO(you): one collective per step for all 21 gradients (count it in calls), after
             # which every gradient holds the sum over ranks. Look up: torch.cat, Tensor.split,
             # Tensor.view_as, Tensor.copy_.
-            todo("--flat: one all_reduce of all gradients flattened, then copy the slices back")
+            todo("--flat: one all_reduce of all gradients, flattened, then copied back")
         else:
             # TODO(you): every gradient summed over the ranks, in place; count each collective in
             # calls.

@@ -149,7 +149,7 @@ class PerParam:
         self.timeline, self.works = timeline, []
         # TODO(you): autograd must call self._ready(p) for every parameter p, once p.grad holds this
         # backward's whole gradient for it. Look up: Tensor.register_post_accumulate_grad_hook.
-        todo("per-param: register self._ready as every parameter's post-accumulate-grad hook")
+        todo("per-param: register self._ready as every parameter's grad hook")
 
     def _ready(self, p):
         # TODO(you): start summing p.grad over the ranks without waiting (backward goes on
@@ -185,7 +185,7 @@ class Bucketed:
         # when it was the bucket's last, launch ONE async all_reduce of the bucket's gradients
         # flattened together, log its Work in self.timeline and keep (work, flat tensor, bucket
         # index) in self.inflight.
-        todo("bucketed: when a bucket's last gradient is ready, launch one async all_reduce")
+        todo("bucketed: once a bucket's last gradient is in, one async all_reduce")
         # Every rank runs the same graph, so buckets complete, and their all_reduces are
         # launched, in the same order on every rank: collectives are matched by order.
 

@@ -78,7 +78,7 @@ for epoch in range(args.epochs):
         loss.backward()
         grads = [p.grad for p in params]
         if args.flat:  # one message: latency paid once (what DDP's buckets do)
-            ### BEGIN SOLUTION: --flat: one all_reduce of all gradients flattened, then copy the slices back
+            ### BEGIN SOLUTION: --flat: one all_reduce of all gradients, flattened, then copied back
             ### HINT one collective per step for all 21 gradients (count it in calls), after which
             ### HINT every gradient holds the sum over ranks. Look up: torch.cat, Tensor.split,
             ### HINT Tensor.view_as, Tensor.copy_.

@@ -146,7 +146,7 @@ class PerParam:
 
     def __init__(self, model, timeline):
         self.timeline, self.works = timeline, []
-        ### BEGIN SOLUTION: per-param: register self._ready as every parameter's post-accumulate-grad hook
+        ### BEGIN SOLUTION: per-param: register self._ready as every parameter's grad hook
         ### HINT autograd must call self._ready(p) for every parameter p, once p.grad holds this
         ### HINT backward's whole gradient for it. Look up:
         ### HINT Tensor.register_post_accumulate_grad_hook.
@@ -209,7 +209,7 @@ class Bucketed:
         ### END SOLUTION
 
     def _ready(self, p):
-        ### BEGIN SOLUTION: bucketed: when a bucket's last gradient is ready, launch one async all_reduce
+        ### BEGIN SOLUTION: bucketed: once a bucket's last gradient is in, one async all_reduce
         ### HINT count p's gradient as arrived in its bucket (self.bucket_of, self.missing); when it
         ### HINT was the bucket's last, launch ONE async all_reduce of the bucket's gradients
         ### HINT flattened together, log its Work in self.timeline and keep (work, flat tensor,
