@@ -186,3 +186,39 @@ def grad_accum(run):
         yield (got == {want}, f"{label}: {want} reduce-scatters per step ({units} FSDP units)",
                f"{label}: {sorted(got)} reduce-scatters per step, expected {want} "
                f"({units} FSDP units{', once per step' if mode == 'last' else ''})")
+
+
+@exercise("05.1", "ch05_checkpoint/exercises/ex05_resume.py")
+def resume(run):
+    # 4 steps per epoch at any world size; the checkpoint mid-epoch, the resume into the next
+    N = run.nproc
+    res = run("--steps", "8", "--save-at", "5", "--global-batch", 4 * N, "--samples", 16 * N,
+              "--ckpt-dir", run.tmp / f"ckpt{N}")
+    yield (res["loaded_equal"], "the loaded model + AdamW state = the saved one (sha256)",
+           "the loaded model + AdamW state differ from the saved one")
+    yield (res["resumed"]["steps"] == list(range(6, 9)), "the resume trains steps 6..8",
+           f"the resume trained steps {res['resumed']['steps']}, not 6..8: Progress does not "
+           "restore the steps done")
+    for what, key in (("batch", "same_batch"), ("LR", "same_lr"), ("loss", "same_loss")):
+        bad = [6 + i for i, ok in enumerate(res[key]) if not ok]
+        yield (not bad, f"every resumed step: the same {what} as the uninterrupted run",
+               f"step {bad[0]} differs from the uninterrupted run in its {what}: "
+               f"{res['problem']}" if bad else "")
+    yield (res["digest_equal"], "the final model + AdamW state identical (sha256)",
+           "the final model + AdamW state differ from the uninterrupted run's")
+
+
+@exercise("07.1", "ch07_debugging/exercises/ex07_early_stop.py", timeout=120)
+def early_stop(run):
+    res = run("--timeout", "15")  # a rank left waiting fails in 15 s, not the default 20
+    steps = res["stopped"]
+    yield (res["same_step"], f"every rank stopped at step {steps[0]}",
+           f"the ranks stopped at steps {steps}")
+    yield (res["same_loss"], "the ranks' validation losses are identical",
+           "the ranks compared different validation losses with --target")
+    gap, tol = res["max_diff_one_process"], res["tolerance"]
+    yield (gap < tol, f"the validation loss = one process's on the whole set (< {tol:g})",
+           f"the validation loss differs from one process's by {gap:.1e} (tolerance {tol:g}): "
+           "a mean of the ranks' means?")
+    yield (res["same_weights"], "weights identical on every rank",
+           "the ranks' weights differ at the end")
