@@ -23,8 +23,10 @@ import argparse
 import ast
 import importlib
 import json
+import os
 import pkgutil
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -187,8 +189,9 @@ class Runner:
     """run(*args): launch the file being checked on `nproc` ranks with --json FILE; returns the
     dict it wrote. A failed launch raises Fail with the ranks' error line."""
 
-    def __init__(self, ex: Exercise, script: Path, nproc: int, tmp: Path):
+    def __init__(self, ex: Exercise, script: Path, nproc: int, tmp: Path, runs=None):
         self.ex, self.script, self.nproc, self.tmp = ex, script, nproc, tmp
+        self.runs = runs if runs is not None else []
         self.count = 0
         self.stdout = ""
 
@@ -197,21 +200,23 @@ class Runner:
         out = self.tmp / f"run{self.nproc}-{self.count}.json"
         cmd = [str(LAUNCHER), str(self.nproc), str(self.script), *map(str, args), "--json",
                str(out)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**_env(), "RANKS": "0"})
         try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, timeout=self.ex.timeout,
-                                  env={**_env(), "RANKS": "0"})
+            stdout, _ = proc.communicate(timeout=self.ex.timeout)
         except subprocess.TimeoutExpired:
+            from distkit.notebook import stop_launch  # every rank, not just the launcher
+            stop_launch(proc, 10, drain=True)
             raise Fail(f"the launch did not end within {self.ex.timeout:.0f} s "
                        "(a rank waiting in a collective the others never call?)") from None
-        self.stdout = proc.stdout
+        self.stdout = stdout
         if out.exists():  # a script that asserts at its end wrote its results first: the
-            return json.loads(out.read_text())  # checks name what failed, with numbers
+            res = json.loads(out.read_text())  # checks name what failed, with numbers
+            self.runs.append((self.nproc, res, stdout))
+            return res
         if proc.returncode:
-            raise Fail(f"the launch failed: {_launch_error(proc.stdout)}")
+            raise Fail(f"the launch failed: {_launch_error(stdout)}")
         raise Fail("the launch wrote no --json results")
-
-
     def single(self, script: str, *args) -> dict:
         """Run a one-process reference (a script in code/) with plain Python, in a process
         group of one where it makes one, and --json; returns the dict it wrote."""
@@ -227,15 +232,15 @@ class Runner:
 
 
 def _env() -> dict:
-    import os
     return {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable),
             "PYTHONPATH": str(CODE)}
 
 
-def check(ex_id: str, file: str | Path | None = None, nprocs=None,
-          echo=print) -> tuple[bool, list[str]]:
+def check(ex_id: str, file: str | Path | None = None, nprocs=None, echo=print,
+          runs: list | None = None) -> tuple[bool, list[str]]:
     """Check exercise `ex_id` on `file` (default: its starter) at each world size (default:
-    the entry's). Each line is also passed to `echo`. Returns (all passed, the lines)."""
+    the entry's). Each line is also passed to `echo`; each launch's (world size, results,
+    output) is appended to `runs` if given. Returns (all passed, the lines)."""
     registry = load_registry()
     if ex_id not in registry:
         raise SystemExit(f"distkit.exercise: no exercise {ex_id!r}; "
@@ -255,7 +260,7 @@ def check(ex_id: str, file: str | Path | None = None, nprocs=None,
     say(f"PASS no todo() left in {_shown(path)}")
     with tempfile.TemporaryDirectory(prefix=f"ex{ex_id}-") as tmp:
         for nproc in nprocs or ex.nprocs:
-            run = Runner(ex, path.resolve(), nproc, Path(tmp))
+            run = Runner(ex, path.resolve(), nproc, Path(tmp), runs)
             tag = f"[{nproc} rank{'s' * (nproc != 1)}]"
             try:
                 for ok, passed, failed in ex.checks(run):
@@ -268,21 +273,45 @@ def check(ex_id: str, file: str | Path | None = None, nprocs=None,
     return True, lines
 
 
-def broken(ex_id: str, old: str, new: str | None, tmp: Path) -> Path:
-    """The exercise's solution with the one line holding `old` replaced by `new` (None: removed),
-    written to tmp: a wrong answer that the checker must catch."""
+def solution_as_starter(ex_id: str, tmp: Path, change: tuple | None = None) -> Path:
+    """A copy of the exercise's chapter folder in tmp whose starter is its solution: as a learner
+    who got it right would have it. `change` = (old, new) makes it a wrong answer the checker
+    must catch: the one line holding `old` replaced by `new` (None: the line removed). Returns
+    the starter's path in the copy."""
     ex = load_registry()[ex_id]
-    sol = CODE / ex.starter.replace("/exercises/", "/solutions/")
-    lines = sol.read_text().splitlines(keepends=True)
-    hits = [i for i, ln in enumerate(lines) if old in ln]
-    if len(hits) != 1:
-        raise ValueError(f"{old!r} is on {len(hits)} lines of {sol.name}, not one")
-    i = hits[0]
-    indent = re.match(r"\s*", lines[i]).group(0)
-    lines[i] = "" if new is None else indent + new + "\n"
-    path = Path(tmp) / sol.name
-    path.write_text("".join(lines))
-    return path
+    chapter = (CODE / ex.starter).parent.parent
+    copy = Path(tmp) / chapter.name
+    shutil.copytree(chapter, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    starter = copy / Path(ex.starter).relative_to(chapter.name)
+    lines = (CODE / ex.starter.replace("/exercises/", "/solutions/")).read_text().splitlines(
+        keepends=True)
+    if change:
+        old, new = change
+        hits = [i for i, ln in enumerate(lines) if old in ln]
+        if len(hits) != 1:
+            raise ValueError(f"{old!r} is on {len(hits)} lines of the solution, not one")
+        i = hits[0]
+        indent = re.match(r"\s*", lines[i]).group(0)
+        lines[i] = "" if new is None else indent + new + "\n"
+    starter.write_text("".join(lines))
+    return starter
+
+
+def check_at_once(jobs: dict, tmp: Path, nprocs=(2,)) -> dict:
+    """Several checks at once, for tests (threads: each only waits for its launches). `jobs`
+    maps a name to (exercise id, change): change None checks the solution copied over its
+    starter, (old, new) a wrong answer (see solution_as_starter). Returns name -> (passed,
+    lines, runs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name, ex_id, change):
+        runs = []
+        path = solution_as_starter(ex_id, Path(tmp) / name, change)
+        ok, lines = check(ex_id, path, nprocs, echo=lambda line: None, runs=runs)
+        return ok, lines, runs
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {name: pool.submit(one, name, *job) for name, job in jobs.items()}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def main(argv=None):
