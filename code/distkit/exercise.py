@@ -201,7 +201,7 @@ class Runner:
         cmd = [str(LAUNCHER), str(self.nproc), str(self.script), *map(str, args), "--json",
                str(out)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**_env(), "RANKS": "0"})
+                                env=_env())
         try:
             stdout, _ = proc.communicate(timeout=self.ex.timeout)
         except subprocess.TimeoutExpired:
