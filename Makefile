@@ -42,7 +42,7 @@ check: setup
 # FAST=1: each notebook with the small parameter set of a live session (about a minute each;
 # the table is FAST in code/distkit/run_course.py).
 course: setup
-	$(BIN)/python -m distkit.run_course $(if $(FAST),--fast)
+	$(BIN)/python -m distkit.run_course$(if $(FAST), --fast)
 
 # Check a learner's exercise: make exercise EX=03.1 (the list: make exercise). One line per check.
 exercise: setup

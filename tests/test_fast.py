@@ -10,6 +10,8 @@ below), so the check is real. Whether each notebook then runs in about a minute 
 import ast
 import json
 import math
+import os
+import subprocess
 
 import pytest
 
@@ -76,3 +78,12 @@ def test_every_numbered_notebook_but_the_newest_has_a_fast_set():
     """Chapters 00-07 have a set; a new chapter adds its own (an empty one keeps the defaults)."""
     have = {p.name for p in NOTEBOOKS.glob("0[0-7]_*.ipynb")}
     assert have <= set(FAST), sorted(have - set(FAST))
+
+
+def test_make_course_fast_passes_the_flag():
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    proc = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed",
+                           "course", "FAST=1"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == ".venv/bin/python -m distkit.run_course --fast"
