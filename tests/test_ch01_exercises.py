@@ -2,10 +2,11 @@
 copied over its starter, passes; a wrong answer fails with the line that names it; a starter
 launched stops at its first TODO on every rank; arguments and bad input.
 
-Budget: every 2-rank launch costs ~10 CPU-s (each rank imports torch and transformers), all
-started at once: exercise 1's checker launches both modes and runs train_single.py (its
-reference) once, exercise 2's one launch runs its three modes. The notebook runs exercise 2's
-solution too (with --times) and asserts its counts, bytes, parity and timeline order under nbval.
+Budget of `make test`: exercise 1's checker at 2 ranks (both modes: two launches, and
+train_single.py once as its reference) and the starter's launch, at once; every 2-rank launch
+costs ~10 CPU-s (each rank imports torch and transformers). The notebook runs exercise 2's
+solution (with --times) and asserts its counts, bytes, parity and timeline order under nbval.
+Both checkers at 3 ranks, on the solutions and on a wrong answer each: `make test-nproc`.
 --help and bad input run in this process (argparse stops the scripts before setup()).
 """
 from concurrent.futures import ThreadPoolExecutor
@@ -20,19 +21,27 @@ EXERCISES = ["ex01_manual_ddp.py", "ex01_overlap.py"]
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
+    """make test: exercise 1's solution at 2 ranks (the notebook does not run it) and a starter
+    launched like a learner's."""
     tmp = tmp_path_factory.mktemp("ch01_ex")
     with ThreadPoolExecutor() as pool:  # threads only wait for the subprocesses
         starter = pool.submit(run_launcher, 2, "ch01_ddp/exercises/ex01_overlap.py", "--modes",
                               "per-param", "--steps", 2, timeout=600)
-        done = check_at_once({
-            "manual": ("01.1", None),
-            # every rank keeps the weights of its own seed
-            "manual_no_broadcast": ("01.1", ("dist.broadcast(p.detach(), src=0)", "pass")),
-            "overlap": ("01.2", None),
-            # per-param steps with the sum: AdamW hides it in the losses, not in the gradients
-            "overlap_no_mean": ("01.2", ("p.grad /= N", "pass")),
-        }, tmp)
+        done = check_at_once({"manual": ("01.1", None)}, tmp)
         return {**done, "starter": starter.result()}
+
+
+@pytest.fixture(scope="module")
+def at_3(tmp_path_factory):
+    """make test-nproc: both solutions and a wrong answer to each, at 3 ranks."""
+    return check_at_once({
+        "manual": ("01.1", None),
+        # every rank keeps the weights of its own seed
+        "manual_no_broadcast": ("01.1", ("dist.broadcast(p.detach(), src=0)", "pass")),
+        "overlap": ("01.2", None),
+        # per-param steps with the sum: AdamW hides it in the losses, not in the gradients
+        "overlap_no_mean": ("01.2", ("p.grad /= N", "pass")),
+    }, tmp_path_factory.mktemp("ch01_ex3"), nprocs="largest")
 
 
 def test_manual_ddp_passes(checks):
@@ -48,26 +57,21 @@ def test_manual_ddp_passes(checks):
         assert f"all_reduce calls per step: {res['calls_per_step']}" in out
 
 
-def test_manual_ddp_without_the_broadcast_is_named(checks):
-    ok, lines, _ = checks["manual_no_broadcast"]
-    assert not ok
-    assert lines[-1] == ("FAIL [2 ranks] per tensor: after the broadcast the ranks' weights or "
-                         "buffers still differ")
-
-
-def test_overlap_passes(checks):
-    ok, lines, runs = checks["overlap"]
-    assert ok, lines
-    (_, res, _), = runs
-    assert list(res["modes"]) == ["flat", "per-param", "bucketed"]
+@pytest.mark.second_nproc
+def test_at_3_ranks_solutions_pass_and_wrong_answers_are_named(at_3):
+    for name in ("manual", "overlap"):
+        ok, lines, _ = at_3[name]
+        assert ok, lines
+    ok, lines, _ = at_3["overlap"]
     for mode, calls in (("flat", 1), ("per-param", 21), ("bucketed", 3)):
-        assert f"PASS [2 ranks] {mode}: {calls} all_reduce(s) per step" in lines
-
-
-def test_overlap_without_the_mean_is_named(checks):
-    ok, lines, _ = checks["overlap_no_mean"]
+        assert f"PASS [3 ranks] {mode}: {calls} all_reduce(s) per step" in lines
+    ok, lines, _ = at_3["manual_no_broadcast"]
     assert not ok
-    assert lines[-1].startswith("FAIL [2 ranks] per-param: gradients differ from one process's by")
+    assert lines[-1] == ("FAIL [3 ranks] per tensor: after the broadcast the ranks' weights or "
+                         "buffers still differ")
+    ok, lines, _ = at_3["overlap_no_mean"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [3 ranks] per-param: gradients differ from one process's by")
 
 
 def test_starter_stops_at_its_first_todo(checks):

@@ -1,13 +1,16 @@
-"""Chapter 02's exercises through their checker (`make exercise EX=02.1`, `02.2`): each solution,
-copied over its starter, passes; a wrong answer fails with the line that names it.
+"""Chapter 02's exercises through their checker (`make exercise EX=02.1`, `02.2`) at their largest
+world size (GPipe: 3 stages of 1 layer; the Megatron MLP: 4 ranks): each solution, copied over
+its starter, passes; a wrong answer fails with the line that names it.
 
-tests/test_ch02_pipeline.py and test_ch02_tensor_parallel.py check the solutions' claims in
-detail, their starters' first TODO and their arguments. Budget: four 2-rank launches at once and
-naive_split.py twice as the one-process reference (~8-10 CPU-s each).
+In `make test-nproc` (marker second_nproc), not `make test`: tests/test_ch02_pipeline.py and
+test_ch02_tensor_parallel.py run both solutions at 2 ranks, their starters' first TODO and their
+arguments. Four launches at once and naive_split.py twice as the one-process reference.
 """
 import pytest
 
 from distkit.exercise import check_at_once
+
+pytestmark = pytest.mark.second_nproc
 
 
 @pytest.fixture(scope="module")
@@ -19,20 +22,20 @@ def checks(tmp_path_factory):
                                     "out = lm_loss(out, micro[i])")),
         "megatron": ("02.2", None),
         "megatron_no_f": ("02.2", ("return all_reduce(grad.clone())", "return grad")),
-    }, tmp_path_factory.mktemp("ch02_ex"))
+    }, tmp_path_factory.mktemp("ch02_ex"), nprocs="largest")
 
 
 def test_gpipe_passes(checks):
     ok, lines, _ = checks["gpipe"]
     assert ok, lines
-    assert lines[1] == "PASS [2 ranks] losses = naive_split.py's on one process at every step " \
+    assert lines[1] == "PASS [3 ranks] losses = naive_split.py's on one process at every step " \
                        "(< 1e-04)"
 
 
 def test_gpipe_without_the_scale_is_named(checks):
     ok, lines, _ = checks["gpipe_no_scale"]
     assert not ok
-    assert lines[-1].startswith("FAIL [2 ranks] losses differ from naive_split.py's on one "
+    assert lines[-1].startswith("FAIL [3 ranks] losses differ from naive_split.py's on one "
                                 "process at step 1 by ")
 
 
@@ -45,5 +48,5 @@ def test_megatron_passes(checks):
 def test_megatron_without_f_is_named(checks):
     ok, lines, _ = checks["megatron_no_f"]
     assert not ok
-    assert lines[-1] == ("FAIL [2 ranks] backward: 0 all_reduce(s) of 0 B in all; Megatron's "
+    assert lines[-1] == ("FAIL [4 ranks] backward: 0 all_reduce(s) of 0 B in all; Megatron's "
                          "MLP makes 1 of 65536 B")

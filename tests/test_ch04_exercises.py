@@ -1,12 +1,12 @@
 """Chapter 04's exercises through their checker (`make exercise EX=04.1`, `04.2`): each solution,
 copied over its starter, passes and meets its claims; a wrong answer fails with the line that
-names it; arguments and bad input.
+names it (at 3 ranks, with the solutions: `make test-nproc`); arguments and bad input.
 
-Budget: four 2-rank launches at once, where every process that imports torch and transformers
-costs ~4.5 s of CPU before it does anything (measured; the scripts' own work is under 1.5 s).
-Each solution trains its one-process reference itself. The untouched starters' first TODO is
-tests/test_exercises.py's (no launch). --help and bad input run in this process: argparse stops
-the scripts before setup(), so they need no process group.
+Budget of `make test`: two 2-rank launches at once, where every process that imports torch and
+transformers costs ~4.5 s of CPU before it does anything (measured; the scripts' own work is
+under 1.5 s). Each solution trains its one-process reference itself. The untouched starters'
+first TODO is tests/test_exercises.py's (no launch). --help and bad input run in this process:
+argparse stops the scripts before setup(), so they need no process group.
 """
 import pytest
 
@@ -21,6 +21,14 @@ NPROC = 2
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
+    """make test: both solutions at 2 ranks."""
+    return check_at_once({"meta": ("04.1", None), "accum": ("04.2", None)},
+                         tmp_path_factory.mktemp("ch04_ex"))
+
+
+@pytest.fixture(scope="module")
+def at_3(tmp_path_factory):
+    """make test-nproc: both solutions and a wrong answer to each, at 3 ranks."""
     return check_at_once({
         "meta": ("04.1", None),
         # one of the two buffers no state dict carries left as to_empty() made it
@@ -29,7 +37,7 @@ def checks(tmp_path_factory):
         # sync on for every micro-batch in the "last" mode too: K reduce-scatters per unit
         "accum_always_sync": ("04.2", ("model.set_requires_gradient_sync(k == K - 1)",
                                        "model.set_requires_gradient_sync(True)")),
-    }, tmp_path_factory.mktemp("ch04_ex"))
+    }, tmp_path_factory.mktemp("ch04_ex3"), nprocs="largest")
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +52,20 @@ def runs(checks):
     return found
 
 
-def test_wrong_answers_are_named(checks):
-    ok, lines, _ = checks["meta_no_original"]
+@pytest.mark.second_nproc
+def test_at_3_ranks_solutions_pass_and_wrong_answers_are_named(at_3):
+    for name in ("meta", "accum"):
+        ok, lines, _ = at_3[name]
+        assert ok, lines
+    ok, lines, _ = at_3["meta_no_original"]
     assert not ok
-    assert lines[-1] == ("FAIL [2 ranks] inv_freq or original_inv_freq differ from the "
-                         "reference's on ranks [0, 1]: model.rotary_emb.inv_freq, "
+    assert lines[-1] == ("FAIL [3 ranks] inv_freq or original_inv_freq differ from the "
+                         "reference's on ranks [0, 1, 2]: model.rotary_emb.inv_freq, "
                          "model.rotary_emb.original_inv_freq are in no state dict, so they must "
                          "be recomputed")
-    ok, lines, _ = checks["accum_always_sync"]
+    ok, lines, _ = at_3["accum_always_sync"]
     assert not ok
-    assert lines[-1] == ("FAIL [2 ranks] sync on the last only: [12] reduce-scatters per step, "
+    assert lines[-1] == ("FAIL [3 ranks] sync on the last only: [12] reduce-scatters per step, "
                          "expected 3 (3 FSDP units, once per step)")
 
 

@@ -2,14 +2,14 @@
 its starter, resumes bit-identically to the run that never stopped; a forgotten LR schedule is
 named, with the step it shows at; arguments and bad input.
 
-Budget: the checker's launch of the solution and of a wrong answer, at once (~10 CPU-s each:
-every process imports torch and transformers; both runs, the checkpoint and the checks are in
-one launch), and the solution with its defaults (what the assertions below pin: 12 steps, the
-checkpoint after step 5). The untouched starter's first TODO is tests/test_exercises.py's.
---help and bad input run in this process: argparse stops the scripts before setup().
+Budget of `make test`: one launch of the solution with its defaults (~10 CPU-s: every process
+imports torch and transformers; both runs, the checkpoint and the checks are in one launch; the
+assertions below pin 12 steps, the checkpoint after step 5). The checker at 3 ranks, on the
+solution and on a wrong answer: `make test-nproc`. The untouched starter's first TODO is
+tests/test_exercises.py's. --help and bad input run in this process: argparse stops the scripts
+before setup().
 """
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -22,21 +22,28 @@ NPROC = 2
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"solution": (json, stdout), "checks": check_at_once's}"""
-    tmp = tmp_path_factory.mktemp("ch05_ex")
-    with ThreadPoolExecutor() as pool:  # threads only wait for the subprocesses
-        solution = pool.submit(run_json, tmp, NPROC, RESUME.format("solutions"))
-        checks = pool.submit(check_at_once, {
-            # the scheduler restarts at the resume: the first step off is K + 2
-            "no_schedule": ("05.1", ('self.scheduler.load_state_dict(state["scheduler"])', None)),
-        }, tmp)
-        return {"solution": solution.result(), "checks": checks.result()}
+    """make test: {"solution": (json, stdout)}, the solution launched with its defaults."""
+    return {"solution": run_json(tmp_path_factory.mktemp("ch05_ex"), NPROC,
+                                 RESUME.format("solutions"))}
 
 
-def test_a_forgotten_schedule_is_named(runs):
-    ok, lines, _ = runs["checks"]["no_schedule"]
+@pytest.fixture(scope="module")
+def at_3(tmp_path_factory):
+    """make test-nproc: the checker at 3 ranks on the solution and on a wrong answer."""
+    return check_at_once({
+        "solution": ("05.1", None),
+        # the scheduler restarts at the resume: the first step off is K + 2
+        "no_schedule": ("05.1", ('self.scheduler.load_state_dict(state["scheduler"])', None)),
+    }, tmp_path_factory.mktemp("ch05_ex3"), nprocs="largest")
+
+
+@pytest.mark.second_nproc
+def test_at_3_ranks_the_solution_passes_and_a_forgotten_schedule_is_named(at_3):
+    ok, lines, _ = at_3["solution"]
+    assert ok, lines
+    ok, lines, _ = at_3["no_schedule"]
     assert not ok
-    assert lines[-1].startswith("FAIL [2 ranks] step 7 differs from the uninterrupted run in its "
+    assert lines[-1].startswith("FAIL [3 ranks] step 7 differs from the uninterrupted run in its "
                                 "LR: step 7 ran at LR ")
     assert lines[-1].endswith("the LR schedule restarted (Progress must save and load the "
                               "scheduler's state)")

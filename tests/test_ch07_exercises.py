@@ -2,12 +2,13 @@
 the whole validation set stops every rank at the same step, with one process's loss; a mean of
 the ranks' means is named; arguments and bad input.
 
-Budget: two 2-rank launches at once, the checker's on the solution and on the wrong answer (~5
-CPU-s each). The bug itself (each rank deciding on its shard) is not launched here: it ends only
-at the process-group timeout; measured by hand with the starter's todo() line deleted and
---timeout 10: rank 0 leaves the loop at step 20 and waits in all_gather_object, rank 1 waits in
-step 21's gradient all_reduce, both fail with gloo's "Timed out waiting 10000ms" (17.6 s for the
-launch, on a busy machine). The untouched starter's first TODO is tests/test_exercises.py's.
+Budget of `make test`: the checker's 2-rank launch of the solution (~5 CPU-s); at 3 ranks, on
+the solution and on the wrong answer: `make test-nproc`. The bug itself (each rank deciding on
+its shard) is not launched here: it ends only at the process-group timeout; measured by hand
+with the starter's todo() line deleted and --timeout 10: rank 0 leaves the loop at step 20 and
+waits in all_gather_object, rank 1 waits in step 21's gradient all_reduce, both fail with gloo's
+"Timed out waiting 10000ms" (17.6 s for the launch, on a busy machine). The untouched starter's
+first TODO is tests/test_exercises.py's.
 """
 import pytest
 
@@ -20,13 +21,20 @@ MARGIN = 1e-3  # every validation loss this far from --target: the stop steps ar
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
+    """make test: the solution at 2 ranks."""
+    return check_at_once({"solution": ("07.1", None)}, tmp_path_factory.mktemp("ch07_ex"))
+
+
+@pytest.fixture(scope="module")
+def at_3(tmp_path_factory):
+    """make test-nproc: the solution and a wrong answer at 3 ranks."""
     return check_at_once({
         "solution": ("07.1", None),
-        # every rank the same number, but a mean of the ranks' means (501 and 500 samples)
+        # every rank the same number, but a mean of the ranks' means (334, 334, 333 samples)
         "mean_of_means": ("07.1", ("dist.all_reduce(total)",
                                    "total = sums.new_tensor([mean(sums), 1.0]); "
                                    "dist.all_reduce(total)")),
-    }, tmp_path_factory.mktemp("ch07_ex"))
+    }, tmp_path_factory.mktemp("ch07_ex3"), nprocs="largest")
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +45,13 @@ def runs(checks):
     return {"solution": (res, out)}
 
 
-def test_a_mean_of_means_is_named(checks):
-    ok, lines, _ = checks["mean_of_means"]
+@pytest.mark.second_nproc
+def test_at_3_ranks_the_solution_passes_and_a_mean_of_means_is_named(at_3):
+    ok, lines, _ = at_3["solution"]
+    assert ok, lines
+    ok, lines, _ = at_3["mean_of_means"]
     assert not ok
-    assert lines[-1].startswith("FAIL [2 ranks] the validation loss differs from one process's "
+    assert lines[-1].startswith("FAIL [3 ranks] the validation loss differs from one process's "
                                 "by ")
     assert lines[-1].endswith("(tolerance 1e-06): a mean of the ranks' means?")
 

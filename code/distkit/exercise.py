@@ -300,14 +300,16 @@ def solution_as_starter(ex_id: str, tmp: Path, change: tuple | None = None) -> P
 def check_at_once(jobs: dict, tmp: Path, nprocs=(2,)) -> dict:
     """Several checks at once, for tests (threads: each only waits for its launches). `jobs`
     maps a name to (exercise id, change): change None checks the solution copied over its
-    starter, (old, new) a wrong answer (see solution_as_starter). Returns name -> (passed,
-    lines, runs)."""
+    starter, (old, new) a wrong answer (see solution_as_starter). `nprocs`: the world sizes, or
+    "largest" for each entry's largest (3, or 4 for 02.2). Returns name -> (passed, lines,
+    runs)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(name, ex_id, change):
         runs = []
         path = solution_as_starter(ex_id, Path(tmp) / name, change)
-        ok, lines = check(ex_id, path, nprocs, echo=lambda line: None, runs=runs)
+        sizes = REGISTRY[ex_id].nprocs[-1:] if nprocs == "largest" else nprocs
+        ok, lines = check(ex_id, path, sizes, echo=lambda line: None, runs=runs)
         return ok, lines, runs
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {name: pool.submit(one, name, *job) for name, job in jobs.items()}
