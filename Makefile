@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PYTHONPATH := $(CURDIR)/code
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup check check-python course test test-nproc stress lab images site clean
+.PHONY: setup check check-python course exercise exercises test test-nproc stress lab images site clean
 
 setup: $(VENV)/.installed
 
@@ -39,8 +39,18 @@ $(VENV)/.installed: requirements.txt
 check: setup
 	$(BIN)/python -m distkit.check
 
+# FAST=1: each notebook with the small parameter set of a live session (about a minute each;
+# the table is FAST in code/distkit/run_course.py).
 course: setup
-	$(BIN)/python -m distkit.run_course
+	$(BIN)/python -m distkit.run_course$(if $(FAST), --fast)
+
+# Check a learner's exercise: make exercise EX=03.1 (the list: make exercise). One line per check.
+exercise: setup
+	$(BIN)/python -m distkit.exercise $(if $(EX),$(EX),--list)
+
+# The exercises' starters are generated from their solutions (### BEGIN SOLUTION regions).
+exercises: setup
+	$(BIN)/python -m distkit.exercise --write
 
 test: setup
 	$(BIN)/python -m pytest --durations=25

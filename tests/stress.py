@@ -25,7 +25,6 @@ TESTS = [
     "tests/test_ch07_scripts.py",
     "tests/test_ch07_smoke.py::test_disagreeing_rank_stops_every_rank_at_once",
     "tests/test_ch01_exercises.py::test_starter_stops_at_its_first_todo",
-    "tests/test_ch03_exercises.py::test_starter_stops_at_its_first_todo",
     "tests/test_launcher.py",
     "tests/test_distkit.py::test_launch_raises_when_the_launch_fails",
     "tests/test_distkit.py::test_launch_expect_failure_shows_rank_errors",

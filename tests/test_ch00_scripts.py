@@ -43,9 +43,9 @@ DIRECT = {
                           (0, "the exact mean over all ranks")),
     # run to the first TODO on one process: stops there, saying what is missing
     "starter_naive_todo": ("exercises/ex00_naive_allreduce.py", ["--numel", 8], ONE_RANK,
-                           (1, "ex00_naive_allreduce.py:38: rank 0: receive")),
+                           (1, "ex00_naive_allreduce.py:41: rank 0: receive")),
     "starter_mean_todo": ("exercises/ex00_global_mean.py", [], ONE_RANK,
-                          (1, "ex00_global_mean.py:32: (a) mean_of_means")),
+                          (1, "ex00_global_mean.py:36: (a) mean_of_means")),
 }
 
 

@@ -1,50 +1,84 @@
-"""Chapter 01's exercises: the solutions meet their claims, the starters stop at their TODOs.
+"""Chapter 01's exercises through their checker (`make exercise EX=01.1`, `01.2`): each solution,
+copied over its starter, passes; a wrong answer fails with the line that names it; a starter
+launched stops at its first TODO on every rank; arguments and bad input.
 
-Budget: 30 s on 2 cores, where a 2-process launch costs ~5 s (each rank imports torch and
-transformers). The notebook runs exercise 2's solution (ex01_overlap.py, its three modes in one
-launch) and asserts its call counts, bytes, parity and the order of its timeline, so nbval proves
-those. Here: exercise 1's solution in both modes (the notebook no longer runs it), one launch of a
-starter; the one-process reference, --help and bad input run in this process (argparse stops the
-scripts before setup(), so they need no process group).
+Budget of `make test`: exercise 1's checker at 2 ranks (both modes: two launches, and
+train_single.py once as its reference) and the starter's launch, at once; every 2-rank launch
+costs ~10 CPU-s (each rank imports torch and transformers). The notebook runs exercise 2's
+solution (with --times) and asserts its counts, bytes, parity and timeline order under nbval.
+Both checkers at 3 ranks, on the solutions and on a wrong answer each: `make test-nproc`.
+--help and bad input run in this process (argparse stops the scripts before setup()).
 """
-import json
-import runpy
-import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import (CODE, check_starter, check_stopped_at_todo, run_in_process, run_json,
-                      run_launcher)
+from conftest import check_stopped_at_todo, run_in_process, run_launcher
+from distkit.exercise import check_at_once
 
-LOSS_TOL = 1e-4    # per-step loss, data-parallel vs one process (the notebook's LOSS_TOL)
 EXERCISES = ["ex01_manual_ddp.py", "ex01_overlap.py"]
 
 
-# --- exercise 1: DDP by hand, solution --------------------------------------------------------
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """make test: exercise 1's solution at 2 ranks (the notebook does not run it) and a starter
+    launched like a learner's."""
+    tmp = tmp_path_factory.mktemp("ch01_ex")
+    with ThreadPoolExecutor() as pool:  # threads only wait for the subprocesses
+        starter = pool.submit(run_launcher, 2, "ch01_ddp/exercises/ex01_overlap.py", "--modes",
+                              "per-param", "--steps", 2, timeout=600)
+        done = check_at_once({"manual": ("01.1", None)}, tmp)
+        return {**done, "starter": starter.result()}
+
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """The reference: train_single.py, one process, global batch 16, 64 sequences, 2 epochs
-    (8 steps). It uses no process group, so it runs in this process: that saves starting
-    another Python that imports torch and transformers (~5 s of CPU)."""
-    out = tmp_path_factory.mktemp("single") / "single.json"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", ["train_single.py", "--batch-size", "16", "--samples", "64",
-                                 "--json", str(out)])
-        runpy.run_path(str(CODE / "ch01_ddp/train_single.py"), run_name="__main__")
-    return json.loads(out.read_text())["losses"]
+def at_3(tmp_path_factory):
+    """make test-nproc: both solutions and a wrong answer to each, at 3 ranks."""
+    return check_at_once({
+        "manual": ("01.1", None),
+        # every rank keeps the weights of its own seed
+        "manual_no_broadcast": ("01.1", ("dist.broadcast(p.detach(), src=0)", "pass")),
+        "overlap": ("01.2", None),
+        # per-param steps with the sum: AdamW hides it in the losses, not in the gradients
+        "overlap_no_mean": ("01.2", ("p.grad /= N", "pass")),
+    }, tmp_path_factory.mktemp("ch01_ex3"), nprocs="largest")
 
 
-@pytest.mark.parametrize("flag, calls", [([], 21), (["--flat"], 1)])
-def test_manual_ddp_matches_one_process(tmp_path, single, flag, calls):
-    """One all_reduce per parameter tensor (21), or one of them all flattened (--flat)."""
-    res, out = run_json(tmp_path, 2, "ch01_ddp/solutions/ex01_manual_ddp.py", "--batch-size", 8,
-                        "--samples", 64, *flag)
-    assert len(res["losses"]) == len(single) == 8
-    assert max(abs(a - b) for a, b in zip(res["losses"], single)) < LOSS_TOL
-    assert res["calls_per_step"] == calls and f"all_reduce calls per step: {calls}" in out
-    # different seeds per rank, until the broadcast; identical steps keep them identical
-    assert res["identical"] == {"start": False, "broadcast": True, "end": True}
+def test_manual_ddp_passes(checks):
+    """One all_reduce per parameter tensor (21), or one of them all flattened (--flat); the
+    ranks start different (their own seeds) and are made identical by the broadcast."""
+    ok, lines, runs = checks["manual"]
+    assert ok, lines
+    assert "PASS [2 ranks] per tensor: 21 all_reduce call(s) per step" in lines
+    assert "PASS [2 ranks] --flat: 1 all_reduce call(s) per step" in lines
+    for _, res, out in runs:
+        assert len(res["losses"]) == 8  # 64 sequences / 16 per step x 2 epochs
+        assert res["identical"] == {"start": False, "broadcast": True, "end": True}
+        assert f"all_reduce calls per step: {res['calls_per_step']}" in out
+
+
+@pytest.mark.second_nproc
+def test_at_3_ranks_solutions_pass_and_wrong_answers_are_named(at_3):
+    for name in ("manual", "overlap"):
+        ok, lines, _ = at_3[name]
+        assert ok, lines
+    ok, lines, _ = at_3["overlap"]
+    for mode, calls in (("flat", 1), ("per-param", 21), ("bucketed", 3)):
+        assert f"PASS [3 ranks] {mode}: {calls} all_reduce(s) per step" in lines
+    ok, lines, _ = at_3["manual_no_broadcast"]
+    assert not ok
+    assert lines[-1] == ("FAIL [3 ranks] per tensor: after the broadcast the ranks' weights or "
+                         "buffers still differ")
+    ok, lines, _ = at_3["overlap_no_mean"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [3 ranks] per-param: gradients differ from one process's by")
+
+
+def test_starter_stops_at_its_first_todo(checks):
+    """Launched like a learner would: the given flat mode is skipped, per-param stops at once,
+    every rank at the same line (todo() waits for the others before it exits)."""
+    check_stopped_at_todo(checks["starter"], 2, "code/ch01_ddp/exercises/ex01_overlap.py",
+                          "per-param: register self._ready")
 
 
 # --- arguments: --help, bad input (in this process: argparse exits before setup) ---------------
@@ -73,19 +107,3 @@ def test_bad_input(monkeypatch, capsys, folder, name, args, message):
     assert code == 2 and message in err
     lines = err.strip().splitlines()
     assert lines[0].startswith("usage:") and lines[-1].startswith(f"{name}: error:")
-
-
-# --- starters ---------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("name, stops", [("ex01_manual_ddp.py", 4), ("ex01_overlap.py", 6)])
-def test_starter_marks_every_todo(name, stops):
-    check_starter("ch01_ddp", name, stops)
-
-
-def test_starter_stops_at_its_first_todo():
-    """Launched like a learner would: the given flat mode is skipped, per-param stops at once."""
-    proc = run_launcher(2, "ch01_ddp/exercises/ex01_overlap.py", "--modes", "per-param",
-                        "--steps", 2, timeout=120)
-    # the path relative to the cwd; which rank the report names is a race (see the helper)
-    check_stopped_at_todo(proc, 2, "code/ch01_ddp/exercises/ex01_overlap.py",
-                          "per-param: register self._ready")

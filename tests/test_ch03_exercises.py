@@ -1,18 +1,16 @@
-"""Chapter 03's exercise beyond what its notebook proves: the starter stops at its TODOs, and
-takes the solution's arguments; bad input.
+"""Chapter 03's exercise: through its checker (`make exercise EX=03.1`) at 3 ranks, the solution,
+copied over its starter, passes and a wrong answer fails with the line that names it (both in
+`make test-nproc`, marker second_nproc); arguments and bad input.
 
-The notebook runs the solution (losses and weights = one process, weights identical on every
-rank, each rank's AdamW state = one shard's 8 S + 4 bytes, one process's 8 Psi + 4 per tensor:
-asserted under nbval, at N=3 in `make test-nproc`), so it is not launched again here. Budget:
-one launch of the starter (~5 s on 2 cores, each rank importing torch and transformers); --help
-and bad input run in this process (argparse stops the scripts before setup(), so they need no
-process group).
+In `make test` nothing is launched here: the notebook runs the solution at 2 ranks (losses and
+weights = one process, weights identical on every rank, each rank's AdamW state = one shard's
+8 S + 4 bytes, asserted under nbval), tests/test_exercises.py checks the untouched starter, and
+--help and bad input run in this process (argparse stops the scripts before setup()).
 """
-
 import pytest
 
-from conftest import (check_same_options, check_starter, check_stopped_at_todo, run_in_process,
-                      run_launcher)
+from conftest import check_same_options, run_in_process
+from distkit.exercise import check_at_once
 
 EX = "ch03_zero/{}/ex03_zero1_by_hand.py"
 NAME = "ex03_zero1_by_hand.py"
@@ -20,24 +18,33 @@ NPROC = 2
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """{"starter": CompletedProcess}"""
-    return {"starter": run_launcher(NPROC, EX.format("exercises"), timeout=120)}
+def checks(tmp_path_factory):
+    return check_at_once({
+        "solution": ("03.1", None),
+        # the updated shards never reach the model: every step trains the initial weights
+        "no_all_gather": ("03.1", ("dist.all_gather_single(flat, shard.detach())", None)),
+    }, tmp_path_factory.mktemp("ch03_ex"), nprocs="largest")
 
 
-# --- the starter ------------------------------------------------------------------------------
+@pytest.mark.second_nproc
+def test_solution_passes(checks):
+    ok, lines, runs = checks["solution"]
+    assert ok, lines
+    assert lines[1:] == [
+        "PASS [3 ranks] losses = one process's at every step (< 1e-04)",
+        "PASS [3 ranks] weights after the last step = one process's",
+        "PASS [3 ranks] weights identical on every rank",
+        "PASS [3 ranks] each rank's AdamW state = 8 x S + 4 = 263,004 bytes (one process: 789,076)"]
+    (_, res, _), = runs
+    assert res["world_size"] == 3 and res["optimizer_tensors_held"] == 1
 
-def test_starter_stops_at_its_first_todo(runs):
-    """Launched like a learner would: both ranks stop at the shard, before any step."""
-    proc = runs["starter"]
-    # the path relative to the cwd; which rank the report names is a race (see the helper)
-    check_stopped_at_todo(proc, NPROC, f"code/{EX.format('exercises')}",
-                          "pick this rank's shard of flat")
-    assert "step  1" not in proc.stdout
 
-
-def test_starter_marks_every_todo():
-    check_starter("ch03_zero", "ex03_zero1_by_hand.py", 3)
+@pytest.mark.second_nproc
+def test_a_wrong_answer_is_named(checks):
+    ok, lines, _ = checks["no_all_gather"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [3 ranks] losses differ from one process's at step 2 by ")
+    assert lines[-1].endswith("(tolerance 1e-04)")
 
 
 # --- arguments: --help, bad input (in this process: argparse exits before setup) ---------------

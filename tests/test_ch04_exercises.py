@@ -1,39 +1,72 @@
-"""Chapter 04's exercises: meta-device init and gradient accumulation meet their claims, and the
-starters stop at their TODOs.
+"""Chapter 04's exercises through their checker (`make exercise EX=04.1`, `04.2`): each solution,
+copied over its starter, passes and meets its claims; a wrong answer fails with the line that
+names it (at 3 ranks, with the solutions: `make test-nproc`); arguments and bad input.
 
-Budget: 20 s on 2 cores, where every process that imports torch and transformers costs ~4.5 s
-of CPU before it does anything (measured; the scripts' own work is under 1.5 s). So everything
-that needs a process starts at once: one launch of each solution (each trains its one-process
-reference itself) and the meta-init starter as one plain-Python process of a one-process group
-(the same code path up to its first TODO, without a launch). The accumulation starter is not
-run: its code up to its first TODO is the solution's (run above), and check_starter pins the
-rest; one more process would cost ~2.5 s of the budget. --help and bad input run in this
-process: argparse stops the scripts before setup(), so they need no process group.
+Budget of `make test`: two 2-rank launches at once, where every process that imports torch and
+transformers costs ~4.5 s of CPU before it does anything (measured; the scripts' own work is
+under 1.5 s). Each solution trains its one-process reference itself. The untouched starters'
+first TODO is tests/test_exercises.py's (no launch). --help and bad input run in this process:
+argparse stops the scripts before setup(), so they need no process group.
 """
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from conftest import check_same_options, check_starter, run_in_process, run_json, run_scripts_at_once
+from conftest import check_same_options, run_in_process
+from distkit.exercise import check_at_once
 
 META = "ch04_fsdp2/{}/ex04_meta_init.py"
 ACCUM = "ch04_fsdp2/{}/ex04_grad_accum.py"
 LOSS_TOL = 1e-5  # both scripts' bound against one process; a script may not loosen it
 NPROC = 2
-ONE_PROCESS = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{"meta": (json, stdout), "accum": (json, stdout), "starter": (status, stdout, stderr)}"""
-    tmp = tmp_path_factory.mktemp("ch04_ex")
-    with ThreadPoolExecutor() as pool:  # threads only wait for the subprocesses
-        meta = pool.submit(run_json, tmp, NPROC, META.format("solutions"))
-        accum = pool.submit(run_json, tmp, NPROC, ACCUM.format("solutions"))
-        starter = pool.submit(run_scripts_at_once,
-                              {"starter": (META.format("exercises"), [], ONE_PROCESS)})
-        return {"meta": meta.result(), "accum": accum.result(),
-                "starter": starter.result()["starter"]}
+def checks(tmp_path_factory):
+    """make test: both solutions at 2 ranks."""
+    return check_at_once({"meta": ("04.1", None), "accum": ("04.2", None)},
+                         tmp_path_factory.mktemp("ch04_ex"))
+
+
+@pytest.fixture(scope="module")
+def at_3(tmp_path_factory):
+    """make test-nproc: both solutions and a wrong answer to each, at 3 ranks."""
+    return check_at_once({
+        "meta": ("04.1", None),
+        # one of the two buffers no state dict carries left as to_empty() made it
+        "meta_no_original": ("04.1", ("rotary.original_inv_freq.copy_(inv_freq)", None)),
+        "accum": ("04.2", None),
+        # sync on for every micro-batch in the "last" mode too: K reduce-scatters per unit
+        "accum_always_sync": ("04.2", ("model.set_requires_gradient_sync(k == K - 1)",
+                                       "model.set_requires_gradient_sync(True)")),
+    }, tmp_path_factory.mktemp("ch04_ex3"), nprocs="largest")
+
+
+@pytest.fixture(scope="module")
+def runs(checks):
+    """{"meta": (json, stdout), "accum": (json, stdout)}: the solutions' launches."""
+    found = {}
+    for name in ("meta", "accum"):
+        ok, lines, launches = checks[name]
+        assert ok, lines
+        (_, res, out), = launches
+        found[name] = res, out
+    return found
+
+
+@pytest.mark.second_nproc
+def test_at_3_ranks_solutions_pass_and_wrong_answers_are_named(at_3):
+    for name in ("meta", "accum"):
+        ok, lines, _ = at_3[name]
+        assert ok, lines
+    ok, lines, _ = at_3["meta_no_original"]
+    assert not ok
+    assert lines[-1] == ("FAIL [3 ranks] inv_freq or original_inv_freq differ from the "
+                         "reference's on ranks [0, 1, 2]: model.rotary_emb.inv_freq, "
+                         "model.rotary_emb.original_inv_freq are in no state dict, so they must "
+                         "be recomputed")
+    ok, lines, _ = at_3["accum_always_sync"]
+    assert not ok
+    assert lines[-1] == ("FAIL [3 ranks] sync on the last only: [12] reduce-scatters per step, "
+                         "expected 3 (3 FSDP units, once per step)")
 
 
 # --- exercise 1: meta-device init, solution ---------------------------------------------------
@@ -73,7 +106,7 @@ def test_meta_init_each_rank_holds_its_shard(runs):
 
 def test_grad_accum_both_modes_match_one_process(runs):
     res, out = runs["accum"]
-    assert res["world_size"] == NPROC and res["steps"] == 3 and res["micro_batches"] == 4
+    assert res["world_size"] == NPROC and res["steps"] == 2 and res["micro_batches"] == 4
     assert res["tolerance"] == LOSS_TOL
     assert list(res["modes"]) == ["every", "last"]
     for mode, r in res["modes"].items():
@@ -99,23 +132,6 @@ def test_grad_accum_reduce_scatters_once_per_step(runs):
              if ln.startswith(("every micro-batch", "the last only"))}
     assert table == {"every micro-batch": [str(k * units), str(gathers), "True"],
                      "the last only": [str(units), str(gathers), "True"]}
-
-
-# --- starters ---------------------------------------------------------------------------------
-
-def test_starter_stops_at_its_first_todo(runs):
-    """As a learner's first run goes: one line on stderr, exit status 1, nothing trained."""
-    status, out, err = runs["starter"]
-    assert status == 1, err
-    assert len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"TODO(you) at code/{META.format('exercises')}:")
-    assert err.strip().endswith("allocate the sharded model's storage on env.device (to_empty)")
-    assert "step 1" not in out and "Traceback" not in out + err
-
-
-@pytest.mark.parametrize("name, stops", [("ex04_meta_init.py", 3), ("ex04_grad_accum.py", 2)])
-def test_starter_marks_every_todo(name, stops):
-    check_starter("ch04_fsdp2", name, stops)
 
 
 # --- arguments: --help, bad input (in this process: argparse exits before setup) ---------------

@@ -1,36 +1,52 @@
-"""Chapter 05's exercise: the solution's resume is bit-identical to the run that never stopped,
-and the starter stops at its TODOs.
+"""Chapter 05's exercise through its checker (`make exercise EX=05.1`): the solution, copied over
+its starter, resumes bit-identically to the run that never stopped; a forgotten LR schedule is
+named, with the step it shows at; arguments and bad input.
 
-Budget: 15 s on 2 cores, where every process that imports torch and transformers costs ~4.5 s
-of CPU before it does anything. So the two processes of one launch of the solution (both runs,
-the checkpoint and the checks are in it) and the starter, as one plain-Python process of a
-one-process group (the same code path up to its first TODO, without a launch), start at once.
---help and bad input run in this process: argparse stops the scripts before setup().
-A forgotten LR schedule or skip is not launched here (one more launch is ~6 s): the solution's
-own checks catch them (measured by hand), and test_a_restarted_schedule_would_show pins the
-defaults that make a forgotten schedule visible.
+Budget of `make test`: one launch of the solution with its defaults (~10 CPU-s: every process
+imports torch and transformers; both runs, the checkpoint and the checks are in one launch; the
+assertions below pin 12 steps, the checkpoint after step 5). The checker at 3 ranks, on the
+solution and on a wrong answer: `make test-nproc`. The untouched starter's first TODO is
+tests/test_exercises.py's. --help and bad input run in this process: argparse stops the scripts
+before setup().
 """
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import check_same_options, check_starter, run_in_process, run_json, run_scripts_at_once
+from conftest import check_same_options, run_in_process, run_json
+from distkit.exercise import check_at_once
 
 RESUME = "ch05_checkpoint/{}/ex05_resume.py"
 NPROC = 2
-ONE_PROCESS = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"solution": (json, stdout), "starter": (status, stdout, stderr)}"""
-    tmp = tmp_path_factory.mktemp("ch05_ex")
-    with ThreadPoolExecutor() as pool:  # threads only wait for the subprocesses
-        solution = pool.submit(run_json, tmp, NPROC, RESUME.format("solutions"))
-        starter = pool.submit(run_scripts_at_once,
-                              {"starter": (RESUME.format("exercises"), [], ONE_PROCESS)})
-        return {"solution": solution.result(), "starter": starter.result()["starter"]}
+    """make test: {"solution": (json, stdout)}, the solution launched with its defaults."""
+    return {"solution": run_json(tmp_path_factory.mktemp("ch05_ex"), NPROC,
+                                 RESUME.format("solutions"))}
+
+
+@pytest.fixture(scope="module")
+def at_3(tmp_path_factory):
+    """make test-nproc: the checker at 3 ranks on the solution and on a wrong answer."""
+    return check_at_once({
+        "solution": ("05.1", None),
+        # the scheduler restarts at the resume: the first step off is K + 2
+        "no_schedule": ("05.1", ('self.scheduler.load_state_dict(state["scheduler"])', None)),
+    }, tmp_path_factory.mktemp("ch05_ex3"), nprocs="largest")
+
+
+@pytest.mark.second_nproc
+def test_at_3_ranks_the_solution_passes_and_a_forgotten_schedule_is_named(at_3):
+    ok, lines, _ = at_3["solution"]
+    assert ok, lines
+    ok, lines, _ = at_3["no_schedule"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [3 ranks] step 7 differs from the uninterrupted run in its "
+                                "LR: step 7 ran at LR ")
+    assert lines[-1].endswith("the LR schedule restarted (Progress must save and load the "
+                              "scheduler's state)")
 
 
 # --- the solution ---------------------------------------------------------------------------
@@ -88,23 +104,6 @@ def test_a_restarted_schedule_would_show(runs):
     assert lrs == pytest.approx(want, rel=1e-12)
     k = res["save_at"]
     assert abs(lrs[k + 1] - lrs[1]) > 0.1 * lrs[k + 1]  # step K+2 vs step 2
-
-
-# --- the starter ------------------------------------------------------------------------------
-
-def test_starter_stops_at_its_first_todo(runs):
-    """As a learner's first run goes: one line on stderr, exit status 1, nothing trained."""
-    status, out, err = runs["starter"]
-    assert status == 1, err
-    assert len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"TODO(you) at code/{RESUME.format('exercises')}:")
-    assert err.strip().endswith("batches_after(): the batches of the steps after `done` "
-                                "(skip those trained on)")
-    assert out == "" and "Traceback" not in err
-
-
-def test_starter_marks_every_todo():
-    check_starter("ch05_checkpoint", "ex05_resume.py", 3)
 
 
 # --- arguments: --help, bad input (in this process: argparse exits before setup) ---------------

@@ -1,36 +1,59 @@
-"""Chapter 07's exercise: early stopping decided on the whole validation set stops every rank at
-the same step, with one process's loss; and the starter stops at its TODO.
+"""Chapter 07's exercise through its checker (`make exercise EX=07.1`): early stopping decided on
+the whole validation set stops every rank at the same step, with one process's loss; a mean of
+the ranks' means is named; arguments and bad input.
 
-Budget: one launch of the solution (~4.5 s on 2 cores) and, at the same time, the starter as a
-plain-Python one-process group (the same code path up to its TODO, without a launch). --help and
-bad input run in this process: argparse stops the scripts before setup(). The bug itself is not
-launched here (it ends only at the process-group timeout); measured by hand with the starter's
-todo() line deleted and --timeout 10: rank 0 leaves the loop at step 20 and waits in
-all_gather_object, rank 1 waits in step 21's gradient all_reduce, both fail with gloo's "Timed
-out waiting 10000ms" (17.6 s for the launch, on a busy machine). A mean of the ranks' means
-(501 and 500 samples) misses one process's loss by 1.7e-4, far above the 1e-6 tolerance.
+Budget of `make test`: the checker's 2-rank launch of the solution (~5 CPU-s); at 3 ranks, on
+the solution and on the wrong answer: `make test-nproc`. The bug itself (each rank deciding on
+its shard) is not launched here: it ends only at the process-group timeout; measured by hand
+with the starter's todo() line deleted and --timeout 10: rank 0 leaves the loop at step 20 and
+waits in all_gather_object, rank 1 waits in step 21's gradient all_reduce, both fail with gloo's
+"Timed out waiting 10000ms" (17.6 s for the launch, on a busy machine). The untouched starter's
+first TODO is tests/test_exercises.py's.
 """
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from conftest import (check_same_options, check_starter, run_in_process, run_json,
-                      run_scripts_at_once)
+from conftest import check_same_options, run_in_process
+from distkit.exercise import check_at_once
 
 EARLY = "ch07_debugging/{}/ex07_early_stop.py"
-ONE_PROCESS = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}
 MARGIN = 1e-3  # every validation loss this far from --target: the stop steps are no float luck
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{"solution": (json, stdout), "starter": (status, stdout, stderr)}"""
-    tmp = tmp_path_factory.mktemp("ch07_ex")
-    with ThreadPoolExecutor() as pool:  # threads only wait for the subprocesses
-        solution = pool.submit(run_json, tmp, 2, EARLY.format("solutions"))
-        starter = pool.submit(run_scripts_at_once,
-                              {"starter": (EARLY.format("exercises"), [], ONE_PROCESS)})
-        return {"solution": solution.result(), "starter": starter.result()["starter"]}
+def checks(tmp_path_factory):
+    """make test: the solution at 2 ranks."""
+    return check_at_once({"solution": ("07.1", None)}, tmp_path_factory.mktemp("ch07_ex"))
+
+
+@pytest.fixture(scope="module")
+def at_3(tmp_path_factory):
+    """make test-nproc: the solution and a wrong answer at 3 ranks."""
+    return check_at_once({
+        "solution": ("07.1", None),
+        # every rank the same number, but a mean of the ranks' means (334, 334, 333 samples)
+        "mean_of_means": ("07.1", ("dist.all_reduce(total)",
+                                   "total = sums.new_tensor([mean(sums), 1.0]); "
+                                   "dist.all_reduce(total)")),
+    }, tmp_path_factory.mktemp("ch07_ex3"), nprocs="largest")
+
+
+@pytest.fixture(scope="module")
+def runs(checks):
+    ok, lines, launches = checks["solution"]
+    assert ok, lines
+    (_, res, out), = launches
+    return {"solution": (res, out)}
+
+
+@pytest.mark.second_nproc
+def test_at_3_ranks_the_solution_passes_and_a_mean_of_means_is_named(at_3):
+    ok, lines, _ = at_3["solution"]
+    assert ok, lines
+    ok, lines, _ = at_3["mean_of_means"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [3 ranks] the validation loss differs from one process's "
+                                "by ")
+    assert lines[-1].endswith("(tolerance 1e-06): a mean of the ranks' means?")
 
 
 # --- the solution ---------------------------------------------------------------------------
@@ -90,22 +113,6 @@ def test_solution_prints_its_checks(runs):
         "validation loss == one process's, every check (max diff < 1e-06): True",
         "[rank 0] deciding on its own shard it would stop at step 20",
         "[rank 1] deciding on its own shard it would stop at no step up to 35"]
-
-
-# --- the starter ------------------------------------------------------------------------------
-
-def test_starter_stops_at_its_todo(runs):
-    """At the first validation, before any rank could stop: nothing can hang."""
-    status, out, err = runs["starter"]
-    assert status == 1, err
-    assert err.startswith(f"TODO(you) at code/{EARLY.format('exercises')}:")
-    assert err.strip().endswith("validation_loss(): the loss over every rank's shard, the same "
-                                "on every rank")
-    assert len(err.strip().splitlines()) == 1 and out == ""
-
-
-def test_starter_marks_its_todo():
-    check_starter("ch07_debugging", "ex07_early_stop.py", 1)
 
 
 # --- arguments: --help, bad input (in this process: argparse exits before setup) ---------------

@@ -88,6 +88,7 @@ def test_clean_removes_build_and_checkpoints_but_not_the_venv(tmp_path):
     ("stress", ".venv/bin/python tests/stress.py"),
     ("course", ".venv/bin/python -m distkit.run_course"),
     ("images", ".venv/bin/python -m distkit.diagrams"),
+    ("exercises", ".venv/bin/python -m distkit.exercise --write"),
 ])
 def test_targets_run(target, command):
     proc = make("-n", "-o", ".venv/.installed", target)

@@ -1,4 +1,5 @@
-"""Exercise 00.1 (starter): all-reduce through rank 0, a "parameter server", bytes counted.
+# Yours to fill in. Generated from ../solutions/ex00_naive_allreduce.py by `make exercises`.
+"""Exercise 00.1: all-reduce through rank 0, a "parameter server", bytes counted.
 
     code/run_w_torchrun.sh 4 ch00_collectives/exercises/ex00_naive_allreduce.py
 
@@ -6,18 +7,19 @@ Every rank sends its tensor to rank 0 with dist.send; rank 0 adds them up and se
 back to every other rank. Fill in the two TODOs (each todo() call stops the run and says what
 is missing; delete it once your code is there), and count the bytes each rank sends and
 receives. Before you run it on 4 processes, predict rank 0's counts. The end of the script
-checks your result against dist.all_reduce. Solution: ../solutions/ex00_naive_allreduce.py.
+checks your result against dist.all_reduce; `make exercise EX=00.1` checks it at 2 and 3 ranks.
+Solution, with the answer: ../solutions/ex00_naive_allreduce.py.
 """
 import argparse
 
 import torch
 import torch.distributed as dist
 
-from distkit import print0, print_ranks, seed_everything, setup, teardown, todo
-
+from distkit import print0, print_ranks, seed_everything, setup, teardown, todo, write_json
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--numel", type=int, default=2**18, help="float32 elements per rank")
+parser.add_argument("--json", help="write bytes sent/received per rank here (rank 0)")
 args = parser.parse_args()
 if args.numel < 1:
     parser.error(f"--numel must be positive, got {args.numel}")
@@ -30,14 +32,15 @@ size = x.numel() * x.element_size()  # S, in bytes
 expected = x.clone()
 dist.all_reduce(expected)  # the reference your result must match
 
-sent = received = 0   # bytes: add size every time this rank sends or receives a tensor
-total = x.clone()     # at the end: the sum over all ranks, on every rank
+sent = received = 0  # bytes: add size every time this rank sends or receives a tensor
+total = x.clone()  # at the end: the sum over all ranks, on every rank
 if rank == 0:
-    # TODO: receive the N-1 other tensors (dist.recv(buf, src=...)) and add each to total;
-    #       then send total to every other rank (dist.send(total, dst=...)).
+    # TODO(you): rank 0 must end with the sum of all N tensors in total, and every other rank must
+    # get that sum back. A recv needs a buffer of the right shape to receive into. Look up:
+    # dist.recv and dist.send (their src / dst arguments), torch.empty_like.
     todo("rank 0: receive the other ranks' tensors, add them up, send the sum back")
 else:
-    # TODO: send x to rank 0, then receive the sum into total.
+    # TODO(you): the mirror image of rank 0's part, in the same order (a send waits for its recv).
     todo("ranks 1..N-1: send x to rank 0, then receive the sum from it")
 
 torch.testing.assert_close(total, expected)
@@ -45,4 +48,8 @@ print0(f"S = {size:,} bytes, N = {n}; ring: every rank sends 2(N-1)/N*S = "
        f"{2 * (n - 1) / n * size:,.0f}")
 print_ranks(f"sent {sent:,} received {received:,} bytes ({sent / size:.0f} S out, {received / size:.0f} S in)")
 print0("result == dist.all_reduce: True")
+counts = [None] * n
+dist.all_gather_object(counts, (sent, received))
+write_json(args.json, {"world_size": n, "bytes": size, "sent": [s for s, _ in counts],
+                       "received": [r for _, r in counts]})
 teardown()

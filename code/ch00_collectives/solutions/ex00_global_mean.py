@@ -1,16 +1,20 @@
-"""Exercise 00.2 solution: the exact mean over all ranks when ranks hold different amounts.
+"""Exercise 00.2: the exact mean over all ranks when ranks hold different amounts.
 
-    code/run_w_torchrun.sh 2 ch00_collectives/solutions/ex00_global_mean.py
+    code/run_w_torchrun.sh 2 ch00_collectives/exercises/ex00_global_mean.py
 
-Rank r holds 3 + 2r per-sample losses. Averaging the per-rank means (all_reduce of the mean,
-divided by N) weighs a small rank's samples more; one all_reduce of [sum, count] is exact.
+Rank r holds 3 + 2r per-sample losses. Compute (a) the average of the per-rank means and
+(b) the mean over every sample of every rank, each with a single all_reduce, and compare both
+with the single-process reference the script computes. Fill in the TODOs (each todo() call
+stops the run and says what is missing; delete it once your code is there). Predict first: do
+(a) and (b) agree? `make exercise EX=00.2` checks yours at 2 and 3 ranks.
+Solution, with the answer: ../solutions/ex00_global_mean.py.
 """
 import argparse
 
 import torch
 import torch.distributed as dist
 
-from distkit import print0, print_ranks, setup, teardown, write_json
+from distkit import print0, print_ranks, setup, teardown, todo, write_json
 
 
 def losses_of(rank):  # the same numbers on every run, different on every rank
@@ -26,14 +30,22 @@ env = setup()
 mine = losses_of(env.rank)
 print_ranks(f"{mine.numel()} samples, local mean {mine.mean():.4f}")
 
+### BEGIN SOLUTION: (a) mean_of_means: the average of the per-rank means, one all_reduce
+### HINT a tensor on env.device holding the mean of the N ranks' local means, on every rank.
+### HINT Look up: dist.all_reduce (it sums in place).
 mean_of_means = mine.mean().to(env.device)
 dist.all_reduce(mean_of_means)
 mean_of_means /= env.world_size  # wrong when counts differ
+### END SOLUTION
 
+### BEGIN SOLUTION: (b) exact: the mean over all samples of all ranks, one all_reduce
+### HINT a float: the sum of every rank's samples over how many there are in all. What must the
+### HINT one all_reduce add up, so that every rank can divide? (torch.stack builds one tensor.)
 stats = torch.stack([mine.sum(), torch.tensor(float(mine.numel()), dtype=torch.float64)])
 stats = stats.to(env.device)
 dist.all_reduce(stats)  # [global sum, global count] in one collective
 exact = (stats[0] / stats[1]).item()
+### END SOLUTION
 
 # The single-process reference: every sample in one place.
 reference = torch.cat([losses_of(r) for r in range(env.world_size)]).mean().item()
@@ -43,3 +55,10 @@ print0(f"single process, all samples: {reference:.6f}")
 write_json(args.json, {"mean_of_means": mean_of_means.item(), "exact": exact,
                        "reference": reference})
 teardown()
+
+### BEGIN SOLUTION
+# Answer: they do not agree. At N = 2, rank 0 holds 3 samples and rank 1 holds 5: the mean of
+# the two means weighs each of rank 0's samples 1/6 and each of rank 1's 1/10, where the mean of
+# all 8 weighs each 1/8. Only all_reduce([sum, count]) equals the one-process reference (up to
+# float rounding); the mean of means is exact only when every rank holds as many samples.
+### END SOLUTION

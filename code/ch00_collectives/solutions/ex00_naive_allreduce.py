@@ -1,17 +1,20 @@
-"""Exercise 00.1 solution: all-reduce through rank 0 (a "parameter server"), bytes counted.
+"""Exercise 00.1: all-reduce through rank 0, a "parameter server", bytes counted.
 
-    code/run_w_torchrun.sh 4 ch00_collectives/solutions/ex00_naive_allreduce.py
+    code/run_w_torchrun.sh 4 ch00_collectives/exercises/ex00_naive_allreduce.py
 
-Everyone sends its tensor to rank 0, rank 0 sums and sends the result back. Correct, but rank 0's
-link carries (N-1)*S in and (N-1)*S out, growing with N, while in a ring every rank sends
-2(N-1)/N*S < 2S however many ranks there are.
+Every rank sends its tensor to rank 0 with dist.send; rank 0 adds them up and sends the sum
+back to every other rank. Fill in the two TODOs (each todo() call stops the run and says what
+is missing; delete it once your code is there), and count the bytes each rank sends and
+receives. Before you run it on 4 processes, predict rank 0's counts. The end of the script
+checks your result against dist.all_reduce; `make exercise EX=00.1` checks it at 2 and 3 ranks.
+Solution, with the answer: ../solutions/ex00_naive_allreduce.py.
 """
 import argparse
 
 import torch
 import torch.distributed as dist
 
-from distkit import print0, print_ranks, seed_everything, setup, teardown, write_json
+from distkit import print0, print_ranks, seed_everything, setup, teardown, todo, write_json
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--numel", type=int, default=2**18, help="float32 elements per rank")
@@ -24,13 +27,17 @@ env = setup()
 rank, n = env.rank, env.world_size
 seed_everything(rank)
 x = torch.randn(args.numel, device=env.device)
-size = x.numel() * x.element_size()
+size = x.numel() * x.element_size()  # S, in bytes
 expected = x.clone()
-dist.all_reduce(expected)
+dist.all_reduce(expected)  # the reference your result must match
 
-sent = received = 0
+sent = received = 0  # bytes: add size every time this rank sends or receives a tensor
+total = x.clone()  # at the end: the sum over all ranks, on every rank
 if rank == 0:
-    total = x.clone()
+    ### BEGIN SOLUTION: rank 0: receive the other ranks' tensors, add them up, send the sum back
+    ### HINT rank 0 must end with the sum of all N tensors in total, and every other rank must get
+    ### HINT that sum back. A recv needs a buffer of the right shape to receive into. Look up:
+    ### HINT dist.recv and dist.send (their src / dst arguments), torch.empty_like.
     for src in range(1, n):  # gather: N-1 tensors arrive at rank 0
         buf = torch.empty_like(x)
         dist.recv(buf, src=src)
@@ -39,12 +46,15 @@ if rank == 0:
     for dst in range(1, n):  # broadcast back: N-1 tensors leave rank 0
         dist.send(total, dst=dst)
         sent += size
+    ### END SOLUTION
 else:
+    ### BEGIN SOLUTION: ranks 1..N-1: send x to rank 0, then receive the sum from it
+    ### HINT the mirror image of rank 0's part, in the same order (a send waits for its recv).
     dist.send(x, dst=0)
     sent += size
-    total = torch.empty_like(x)
-    dist.recv(total, src=0)
+    dist.recv(total, src=0)  # overwrites total with the sum
     received += size
+    ### END SOLUTION
 
 torch.testing.assert_close(total, expected)
 print0(f"S = {size:,} bytes, N = {n}; ring: every rank sends 2(N-1)/N*S = "
@@ -56,3 +66,10 @@ dist.all_gather_object(counts, (sent, received))
 write_json(args.json, {"world_size": n, "bytes": size, "sent": [s for s, _ in counts],
                        "received": [r for _, r in counts]})
 teardown()
+
+### BEGIN SOLUTION
+# Answer: rank 0 receives N-1 tensors and sends N-1: at N = 4, 3 S in and 3 S out (S = 2**18
+# float32 values = 1,048,576 bytes), every other rank 1 S each way. Rank 0's link carries
+# (N-1) S each way, growing with N, while in a ring every rank sends 2(N-1)/N S < 2 S however
+# many ranks there are: why no library reduces through one rank.
+### END SOLUTION

@@ -1,4 +1,5 @@
-"""Exercise 01.1 (starter): data parallelism without the DDP wrapper, from chapter 00's collectives.
+# Yours to fill in. Generated from ../solutions/ex01_manual_ddp.py by `make exercises`.
+"""Exercise 01.1: data parallelism without the DDP wrapper, from chapter 00's collectives.
 
     code/run_w_torchrun.sh 2 ch01_ddp/exercises/ex01_manual_ddp.py         # all_reduce per tensor
     code/run_w_torchrun.sh 2 ch01_ddp/exercises/ex01_manual_ddp.py --flat  # one per step
@@ -8,8 +9,9 @@ does at construction: broadcast rank 0's parameters and buffers. After every bac
 each gradient by the average over ranks: all_reduce (a sum), then divide by N. The losses must
 then match train_single.py --batch-size N*b (N processes, --batch-size b each).
 Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
-time: it stops at the first todo() left and says what is missing.
-Solution: ../solutions/ex01_manual_ddp.py (the same lines: diff the two files).
+time: it stops at the first todo() left and says what is missing; `make exercise EX=01.1`
+checks it at 2 and 3 ranks, both modes. Solution, with the answers to the questions below:
+../solutions/ex01_manual_ddp.py.
 
 Predict, then measure:
 1. How many all_reduce calls per step without --flat, and with it? (21 parameter tensors.)
@@ -48,10 +50,10 @@ model = tiny_llama().to(env.device)
 params, buffers = list(model.parameters()), list(model.buffers())
 identical = {"start": same_on_all_ranks(params)}
 print0(f"initial weights identical on every rank: {identical['start']}")
-# TODO(you): ...until rank 0's are broadcast, as DDP does at construction: dist.broadcast every
-# parameter (p.detach(): the same storage, outside autograd) and every buffer from rank 0.
-# Why buffers too? They are model state, used by forward but not trained: BatchNorm's running
-# statistics; here the rotary embedding's inv_freq.
+# TODO(you): ...until every rank holds rank 0's parameters AND buffers, as DDP does at construction.
+# Buffers are model state too, used by forward but not trained (BatchNorm's running statistics; here
+# the rotary embedding's inv_freq). Look up: dist.broadcast (in place), and Tensor.detach (the same
+# storage, outside autograd).
 todo("broadcast rank 0's parameters and buffers to every rank")
 identical["broadcast"] = same_on_all_ranks(params + buffers)
 print0(f"after the broadcast, weights and buffers identical: {identical['broadcast']}")
@@ -69,15 +71,16 @@ for epoch in range(args.epochs):
         loss.backward()
         grads = [p.grad for p in params]
         if args.flat:  # one message: latency paid once (what DDP's buckets do)
-            # TODO(you): concatenate the gradients into one flat tensor (torch.cat of each
-            # g.reshape(-1)), all_reduce it once (calls += 1), then copy each slice back into its
-            # gradient: flat.split([g.numel() for g in grads]), each slice .view_as(g).
-            todo("--flat: one all_reduce of all gradients flattened, then copy the slices back")
+            # TODO(you): one collective per step for all 21 gradients (count it in calls), after
+            # which every gradient holds the sum over ranks. Look up: torch.cat, Tensor.split,
+            # Tensor.view_as, Tensor.copy_.
+            todo("--flat: one all_reduce of all gradients, flattened, then copied back")
         else:
-            # TODO(you): all_reduce every gradient in place (calls += 1 for each).
+            # TODO(you): every gradient summed over the ranks, in place; count each collective in
+            # calls.
             todo("all_reduce every gradient")
-        # TODO(you): divide every gradient by env.world_size: sum -> mean, as the single
-        # process's loss is a mean.
+        # TODO(you): the summed gradients into the gradient of the one-process loss, a mean over the
+        # global batch.
         todo("divide every gradient by the world size")
         optimizer.step()
         optimizer.zero_grad()

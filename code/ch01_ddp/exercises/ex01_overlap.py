@@ -1,4 +1,5 @@
-"""Exercise 01.2 (starter): overlap the gradient all-reduce with backward, by hand, as DDP does.
+# Yours to fill in. Generated from ../solutions/ex01_overlap.py by `make exercises`.
+"""Exercise 01.2: overlap the gradient all-reduce with backward, by hand, as DDP does.
 
     code/run_w_torchrun.sh 2 ch01_ddp/exercises/ex01_overlap.py --times
     code/run_w_torchrun.sh 2 ch01_ddp/exercises/ex01_overlap.py --modes per-param   # one mode
@@ -14,7 +15,8 @@ ways to do that:
 Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
 time: it stops at the first todo() left and says what is missing; once none is left, it checks
 every mode against one process on the global batch, counts your all_reduces and times them.
-Solution: ../solutions/ex01_overlap.py (the same lines: diff the two files).
+`make exercise EX=01.2` checks it at 2 and 3 ranks. Solution, with the answers to the
+questions below: ../solutions/ex01_overlap.py.
 After Stanford CS336 (2025), assignment 2: ddp_overlap_individual_parameters, ddp_overlap_bucketed.
 
 Predict, then measure (--times; CPU/gloo wall-clock times vary: run it twice):
@@ -57,7 +59,6 @@ if not set(modes) <= set(MODES):
                  f"choose from {', '.join(MODES)}")
 if args.steps < 2 or args.batch_size < 1 or not args.bucket_mb > 0:
     parser.error("need --steps >= 2, --batch-size >= 1 and --bucket-mb > 0")
-
 
 env = setup()
 N, b = env.world_size, args.batch_size
@@ -146,20 +147,19 @@ class PerParam:
 
     def __init__(self, model, timeline):
         self.timeline, self.works = timeline, []
-        # TODO(you): register self._ready on every parameter p with
-        # p.register_post_accumulate_grad_hook: autograd then calls self._ready(p) once p.grad
-        # holds this backward's whole gradient for p.
-        todo("per-param: register self._ready as every parameter's post-accumulate-grad hook")
+        # TODO(you): autograd must call self._ready(p) for every parameter p, once p.grad holds this
+        # backward's whole gradient for it. Look up: Tensor.register_post_accumulate_grad_hook.
+        todo("per-param: register self._ready as every parameter's grad hook")
 
     def _ready(self, p):
-        # TODO(you): launch dist.all_reduce(p.grad, async_op=True) (backward goes on meanwhile),
-        # pass its Work to self.timeline.log(work, p.grad) (the measurement), and keep it in
-        # self.works with p, for finish().
+        # TODO(you): start summing p.grad over the ranks without waiting (backward goes on
+        # meanwhile), hand the returned Work to self.timeline.log (the measurement) and keep it,
+        # with p, for finish(). Look up: dist.all_reduce's async_op.
         todo("per-param: launch an async all_reduce of p.grad and keep its Work")
 
     def finish(self):
-        # TODO(you): wait for every Work in self.works, divide each gradient by N, and empty
-        # self.works for the next step.
+        # TODO(you): before the optimizer reads a gradient, its sum must have arrived (Work.wait)
+        # and become the mean; leave self.works empty for the next step.
         todo("per-param: wait for every all_reduce, then divide the gradients by N")
 
 
@@ -169,21 +169,23 @@ class Bucketed:
 
     def __init__(self, model, timeline, bucket_mb):
         self.timeline, self.inflight = timeline, []
-        # TODO(you): self.buckets = a list of buckets, each a list of parameters. Walk the
-        # parameters in reverse registration order, roughly the order backward produces the
-        # gradients (the last layer's first), so that the first bucket is complete early; close a
-        # bucket once it holds >= bucket_mb * 2**20 bytes (p.numel() * p.element_size() each).
-        # Then, after the two lines below, register self._ready on every parameter, as in (a).
-        todo("bucketed: fill self.buckets (about --bucket-mb MiB each), then hook every parameter")
+        # TODO(you): self.buckets: a list of buckets, each a list of parameters, every parameter in
+        # exactly one. Fill them in roughly the order backward produces the gradients (the last
+        # layer's first: the reverse of model.parameters()), so that the first bucket is complete
+        # early; close a bucket once it holds at least bucket_mb MiB of gradient bytes
+        # (Tensor.numel, Tensor.element_size).
+        todo("bucketed: fill self.buckets, about --bucket-mb MiB each")
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.missing = [len(bucket) for bucket in self.buckets]  # gradients still to come
+        # TODO(you): the same hooks as (a)'s, now that the buckets exist.
+        todo("bucketed: hook every parameter, as in (a)")
 
     def _ready(self, p):
-        # TODO(you): count p's gradient as arrived in its bucket i = self.bucket_of[p]
-        # (self.missing[i]). When it was the bucket's last: flatten the bucket's gradients
-        # (torch.cat of q.grad.reshape(-1)), launch one async all_reduce of the flat tensor, pass
-        # its Work to self.timeline.log, and keep (work, flat, i) in self.inflight for finish().
-        todo("bucketed: when a bucket's last gradient is ready, launch one async all_reduce")
+        # TODO(you): count p's gradient as arrived in its bucket (self.bucket_of, self.missing);
+        # when it was the bucket's last, launch ONE async all_reduce of the bucket's gradients
+        # flattened together, log its Work in self.timeline and keep (work, flat tensor, bucket
+        # index) in self.inflight.
+        todo("bucketed: once a bucket's last gradient is in, one async all_reduce")
         # Every rank runs the same graph, so buckets complete, and their all_reduces are
         # launched, in the same order on every rank: collectives are matched by order.
 
@@ -191,9 +193,9 @@ class Bucketed:
         # A parameter without a gradient (unused in forward) would leave its bucket waiting
         # forever: what DDP's find_unused_parameters=True is for.
         assert len(self.inflight) == len(self.buckets), "a bucket's all_reduce was never launched"
-        # TODO(you): for every (work, flat, i) in self.inflight: wait, divide flat by N, and copy
-        # its slices back into the gradients of bucket i (flat.split, .view_as, as in Flat).
-        # Then reset self.inflight and self.missing for the next step.
+        # TODO(you): each bucket's averaged values must end up in its parameters' .grad (Flat above
+        # does the same for one big tensor); then self.inflight and self.missing must be ready for
+        # the next step.
         todo("bucketed: wait for every bucket, then copy the averaged slices back")
 
 

@@ -1,12 +1,22 @@
-"""Exercise 01.1 solution: data parallelism without the DDP wrapper, from chapter 00's collectives.
+"""Exercise 01.1: data parallelism without the DDP wrapper, from chapter 00's collectives.
 
-    code/run_w_torchrun.sh 2 ch01_ddp/solutions/ex01_manual_ddp.py         # all_reduce per tensor
-    code/run_w_torchrun.sh 2 ch01_ddp/solutions/ex01_manual_ddp.py --flat  # one per step
+    code/run_w_torchrun.sh 2 ch01_ddp/exercises/ex01_manual_ddp.py         # all_reduce per tensor
+    code/run_w_torchrun.sh 2 ch01_ddp/exercises/ex01_manual_ddp.py --flat  # one per step
 
-Every rank starts from different random weights; broadcasting rank 0's parameters and buffers
-makes them equal (what DDP does at construction). After every backward, each gradient is
-replaced by the average over ranks: all_reduce (a sum), then divide by N. The losses then match
-train_single.py --batch-size N*b. The starter is ../exercises/ex01_manual_ddp.py (same lines).
+Every rank starts from different random weights (seeded by its rank). Make them equal, as DDP
+does at construction: broadcast rank 0's parameters and buffers. After every backward, replace
+each gradient by the average over ranks: all_reduce (a sum), then divide by N. The losses must
+then match train_single.py --batch-size N*b (N processes, --batch-size b each).
+Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
+time: it stops at the first todo() left and says what is missing; `make exercise EX=01.1`
+checks it at 2 and 3 ranks, both modes. Solution, with the answers to the questions below:
+../solutions/ex01_manual_ddp.py.
+
+Predict, then measure:
+1. How many all_reduce calls per step without --flat, and with it? (21 parameter tensors.)
+2. Skip the broadcast: do the losses still match one process? What do the "identical" lines say?
+3. Skip the division by N, so every rank steps with the sum. With SGD that doubles the learning
+   rate; with AdamW, how far from one process's losses do you expect to land, and why?
 """
 import argparse
 import os
@@ -16,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from distkit import print0, same_on_all_ranks, setup, teardown, write_json
+from distkit import print0, same_on_all_ranks, setup, teardown, todo, write_json
 from distkit.toy import counting_data, tiny_llama
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,6 +49,11 @@ model = tiny_llama().to(env.device)
 params, buffers = list(model.parameters()), list(model.buffers())
 identical = {"start": same_on_all_ranks(params)}
 print0(f"initial weights identical on every rank: {identical['start']}")
+### BEGIN SOLUTION: broadcast rank 0's parameters and buffers to every rank
+### HINT ...until every rank holds rank 0's parameters AND buffers, as DDP does at construction.
+### HINT Buffers are model state too, used by forward but not trained (BatchNorm's running
+### HINT statistics; here the rotary embedding's inv_freq). Look up: dist.broadcast (in place), and
+### HINT Tensor.detach (the same storage, outside autograd).
 for p in params:  # ...until rank 0's are broadcast, as DDP does at construction
     dist.broadcast(p.detach(), src=0)
 # Buffers are model state too, used by forward but not trained (BatchNorm's running statistics;
@@ -46,6 +61,7 @@ for p in params:  # ...until rank 0's are broadcast, as DDP does at construction
 # broadcasts them at construction, and (forward_sync_buffers=True, the default) before forwards.
 for b in buffers:
     dist.broadcast(b, src=0)
+### END SOLUTION
 identical["broadcast"] = same_on_all_ranks(params + buffers)
 print0(f"after the broadcast, weights and buffers identical: {identical['broadcast']}")
 optimizer = torch.optim.AdamW(params, lr=3e-3)
@@ -62,17 +78,29 @@ for epoch in range(args.epochs):
         loss.backward()
         grads = [p.grad for p in params]
         if args.flat:  # one message: latency paid once (what DDP's buckets do)
+            ### BEGIN SOLUTION: --flat: one all_reduce of all gradients, flattened, then copied back
+            ### HINT one collective per step for all 21 gradients (count it in calls), after which
+            ### HINT every gradient holds the sum over ranks. Look up: torch.cat, Tensor.split,
+            ### HINT Tensor.view_as, Tensor.copy_.
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat)
             calls += 1
             for g, synced in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(synced.view_as(g))
+            ### END SOLUTION
         else:
+            ### BEGIN SOLUTION: all_reduce every gradient
+            ### HINT every gradient summed over the ranks, in place; count each collective in calls.
             for g in grads:
                 dist.all_reduce(g)
                 calls += 1
+            ### END SOLUTION
+        ### BEGIN SOLUTION: divide every gradient by the world size
+        ### HINT the summed gradients into the gradient of the one-process loss, a mean over the
+        ### HINT global batch.
         for g in grads:
             g /= env.world_size  # sum -> mean, as the single process's loss is a mean
+        ### END SOLUTION
         optimizer.step()
         optimizer.zero_grad()
         loss = loss.detach()
@@ -86,3 +114,15 @@ print0(f"after training, weights identical: {identical['end']}")
 write_json(args.json, {"losses": losses, "calls_per_step": calls // len(losses),
                        "identical": identical})
 teardown()
+
+### BEGIN SOLUTION
+# Answers to "Predict, then measure":
+# 1. 21 all_reduce calls per step without --flat (one per parameter tensor), 1 with it.
+# 2. No: every rank trains its own weights. The "identical" lines say False at the start, False
+#    after the (skipped) broadcast and False after training, and the losses drift from one
+#    process's from the first step: the averaged gradient is applied to different weights.
+# 3. Hardly at all: AdamW's step is m / (sqrt(v) + eps), and a gradient multiplied by N
+#    multiplies m by N and sqrt(v) by N, so only eps (1e-8) notices; its weight decay does not
+#    read the gradient. The losses land within the tolerance of one process's: this mistake
+#    hides under Adam (the checker cannot catch it). With SGD the step would be N times larger.
+### END SOLUTION

@@ -1,20 +1,30 @@
-"""Exercise 01.2 solution: overlap the gradient all-reduce with backward, by hand, as DDP does.
+"""Exercise 01.2: overlap the gradient all-reduce with backward, by hand, as DDP does.
 
-    code/run_w_torchrun.sh 2 ch01_ddp/solutions/ex01_overlap.py --times
-    code/run_w_torchrun.sh 2 ch01_ddp/solutions/ex01_overlap.py --modes bucketed --bucket-mb 0.05
+    code/run_w_torchrun.sh 2 ch01_ddp/exercises/ex01_overlap.py --times
+    code/run_w_torchrun.sh 2 ch01_ddp/exercises/ex01_overlap.py --modes per-param   # one mode
 
-Three ways to average the gradients, each training the same seeded model on the same batches:
-- flat: wait for backward to finish, then one all_reduce of all gradients flattened together
-  (exercise 1's --flat): nothing overlaps;
-- per-param: a hook on every parameter launches an async all_reduce of its gradient the moment
-  backward has produced it, while backward carries on with earlier layers; wait after backward;
-- bucketed: the same with one all_reduce per bucket of about --bucket-mb MiB of gradients,
-  filled in the order backward produces them: DDP's design (fewer messages, still overlapped).
-Each mode is checked against one process training on the global batch (computed here, on every
-rank: the model is tiny), and every all_reduce is timed from the start of backward: when it was
-launched, when it completed, and how much of it was left to wait for once backward's
-computation had ended (exposed). The starter is ../exercises/ex01_overlap.py (same lines).
+Exercise 1 all-reduced the gradients after backward: `Flat` below, given. DDP does not wait: it
+all-reduces gradients while backward is still computing those of earlier layers. Write the two
+ways to do that:
+(a) per-param: a hook on every parameter launches an async all_reduce of its gradient as soon
+    as backward has produced it; after backward, wait for all of them and divide by N;
+(b) bucketed: put the parameters, last layer's first, in buckets of about --bucket-mb MiB; when
+    a bucket's last gradient is ready, flatten the bucket and launch one async all_reduce; after
+    backward, wait, divide by N and copy the slices back into the gradients.
+Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
+time: it stops at the first todo() left and says what is missing; once none is left, it checks
+every mode against one process on the global batch, counts your all_reduces and times them.
+`make exercise EX=01.2` checks it at 2 and 3 ranks. Solution, with the answers to the
+questions below: ../solutions/ex01_overlap.py.
 After Stanford CS336 (2025), assignment 2: ddp_overlap_individual_parameters, ddp_overlap_bucketed.
+
+Predict, then measure (--times; CPU/gloo wall-clock times vary: run it twice):
+1. How many all_reduce calls per step in per-param mode for this model (21 parameter tensors)?
+   In bucketed mode, with 394,496 gradient bytes and the default --bucket-mb 0.1?
+2. How much communication will be left exposed after backward's computation in each mode, on 2
+   CPU processes? Why might per-param be slower than flat here, although it overlaps? (Chapter
+   00: every message costs a latency; and who runs gloo's threads on 2 cores?)
+3. Which --bucket-mb makes bucketed behave like flat, and which like per-param?
 """
 import argparse
 import statistics
@@ -24,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
-from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit import print0, seed_everything, setup, teardown, todo, write_json
 from distkit.toy import counting_data, tiny_llama
 
 MODES = ("flat", "per-param", "bucketed")
@@ -136,20 +146,34 @@ class PerParam:
 
     def __init__(self, model, timeline):
         self.timeline, self.works = timeline, []
+        ### BEGIN SOLUTION: per-param: register self._ready as every parameter's grad hook
+        ### HINT autograd must call self._ready(p) for every parameter p, once p.grad holds this
+        ### HINT backward's whole gradient for it. Look up:
+        ### HINT Tensor.register_post_accumulate_grad_hook.
         for p in model.parameters():
             # called by autograd once p.grad holds this backward's whole gradient for p
             p.register_post_accumulate_grad_hook(self._ready)
+        ### END SOLUTION
 
     def _ready(self, p):
+        ### BEGIN SOLUTION: per-param: launch an async all_reduce of p.grad and keep its Work
+        ### HINT start summing p.grad over the ranks without waiting (backward goes on meanwhile),
+        ### HINT hand the returned Work to self.timeline.log (the measurement) and keep it, with p,
+        ### HINT for finish(). Look up: dist.all_reduce's async_op.
         work = dist.all_reduce(p.grad, async_op=True)  # backward goes on meanwhile
         self.timeline.log(work, p.grad)
         self.works.append((work, p))
+        ### END SOLUTION
 
     def finish(self):
+        ### BEGIN SOLUTION: per-param: wait for every all_reduce, then divide the gradients by N
+        ### HINT before the optimizer reads a gradient, its sum must have arrived (Work.wait) and
+        ### HINT become the mean; leave self.works empty for the next step.
         for work, p in self.works:
             work.wait()
             p.grad /= N
         self.works = []
+        ### END SOLUTION
 
 
 class Bucketed:
@@ -158,6 +182,12 @@ class Bucketed:
 
     def __init__(self, model, timeline, bucket_mb):
         self.timeline, self.inflight = timeline, []
+        ### BEGIN SOLUTION: bucketed: fill self.buckets, about --bucket-mb MiB each
+        ### HINT self.buckets: a list of buckets, each a list of parameters, every parameter in
+        ### HINT exactly one. Fill them in roughly the order backward produces the gradients (the
+        ### HINT last layer's first: the reverse of model.parameters()), so that the first bucket is
+        ### HINT complete early; close a bucket once it holds at least bucket_mb MiB of gradient
+        ### HINT bytes (Tensor.numel, Tensor.element_size).
         # Fill buckets in reverse registration order: roughly the order backward produces the
         # gradients (the last layer's first), so the first bucket is complete early.
         self.buckets, bucket, size = [], [], 0
@@ -169,12 +199,21 @@ class Bucketed:
                 bucket, size = [], 0
         if bucket:
             self.buckets.append(bucket)
+        ### END SOLUTION
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.missing = [len(bucket) for bucket in self.buckets]  # gradients still to come
+        ### BEGIN SOLUTION: bucketed: hook every parameter, as in (a)
+        ### HINT the same hooks as (a)'s, now that the buckets exist.
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(self._ready)
+        ### END SOLUTION
 
     def _ready(self, p):
+        ### BEGIN SOLUTION: bucketed: once a bucket's last gradient is in, one async all_reduce
+        ### HINT count p's gradient as arrived in its bucket (self.bucket_of, self.missing); when it
+        ### HINT was the bucket's last, launch ONE async all_reduce of the bucket's gradients
+        ### HINT flattened together, log its Work in self.timeline and keep (work, flat tensor,
+        ### HINT bucket index) in self.inflight.
         i = self.bucket_of[p]
         self.missing[i] -= 1
         if self.missing[i] == 0:  # the bucket is complete: one message for all of it
@@ -182,6 +221,7 @@ class Bucketed:
             work = dist.all_reduce(flat, async_op=True)
             self.timeline.log(work, flat)
             self.inflight.append((work, flat, i))
+        ### END SOLUTION
         # Every rank runs the same graph, so buckets complete, and their all_reduces are
         # launched, in the same order on every rank: collectives are matched by order.
 
@@ -189,6 +229,10 @@ class Bucketed:
         # A parameter without a gradient (unused in forward) would leave its bucket waiting
         # forever: what DDP's find_unused_parameters=True is for.
         assert len(self.inflight) == len(self.buckets), "a bucket's all_reduce was never launched"
+        ### BEGIN SOLUTION: bucketed: wait for every bucket, then copy the averaged slices back
+        ### HINT each bucket's averaged values must end up in its parameters' .grad (Flat above does
+        ### HINT the same for one big tensor); then self.inflight and self.missing must be ready for
+        ### HINT the next step.
         for work, flat, i in self.inflight:
             work.wait()
             flat /= N
@@ -197,6 +241,7 @@ class Bucketed:
                 g.copy_(synced.view_as(g))
         self.inflight = []
         self.missing = [len(bucket) for bucket in self.buckets]
+        ### END SOLUTION
 
 
 num_tensors = len(list(model.parameters()))
@@ -277,3 +322,17 @@ write_json(args.json, {"world_size": N, "backend": env.backend, "batch_size": b,
                        "num_param_tensors": num_tensors, "grad_bytes": grad_bytes,
                        "single_losses": single["losses"], "modes": results})
 teardown()
+
+### BEGIN SOLUTION
+# Answers to "Predict, then measure" (notebook 01's last cells run this solution with --times):
+# 1. per-param: 21 all_reduces per step, one per parameter tensor. bucketed: 394,496 bytes in
+#    buckets closed at >= 0.1 MiB (104,858 bytes) gives 3 buckets (131,840 + 131,584 + 131,072
+#    bytes, 7 + 8 + 6 tensors): 3 calls.
+# 2. flat exposes its whole all_reduce (it starts after backward); per-param and bucketed launch
+#    every call during backward. On 2 CPU processes per-param is often the slowest: 21 messages
+#    pay 21 latencies, and gloo's threads compete with backward for the same 2 cores, so the
+#    overlap buys little; bucketed keeps the overlap with 3 latencies. (Times vary run to run.)
+# 3. A --bucket-mb above the gradient bytes (e.g. 1) makes one bucket, closed by the last
+#    gradient backward produces: like flat, launched at the end of backward. A tiny one (e.g.
+#    0.0001) closes a bucket after every parameter: per-param.
+### END SOLUTION

@@ -1,4 +1,5 @@
-"""Exercise 02.1 (starter): GPipe by hand, naive_split.py with micro-batches, over send/recv.
+# Yours to fill in. Generated from ../solutions/ex02_gpipe_by_hand.py by `make exercises`.
+"""Exercise 02.1: GPipe by hand, naive_split.py with micro-batches, over send/recv.
 
     code/run_w_torchrun.sh 2 ch02_model_parallel/solutions/ex02_gpipe_by_hand.py --microbatches 4
 
@@ -12,7 +13,8 @@ losses match train_single.py's. It is what ScheduleGPipe does (pipeline.py), wri
 Fill in the TODO(you) parts, replacing each todo(...) call with your code; naive_split.py has
 the forward and backward of one batch. Run the script at any time: it stops at the first
 todo() left and says what is missing.
-Solution: ../solutions/ex02_gpipe_by_hand.py (the same lines: diff the two files).
+`make exercise EX=02.1` checks it at 2 and 3 ranks (--layers 3 at 3). Solution, with the answers
+to the questions below: ../solutions/ex02_gpipe_by_hand.py.
 
 Predict, then measure (the --json file holds every rank's compute spans):
 1. At --microbatches 1 this is naive_split.py. At 4, what fraction of the step should each of
@@ -76,15 +78,18 @@ for epoch in range(args.epochs):
         micro = tokens.to(env.device).chunk(m)  # m micro-batches of batch_size/m sequences
         inputs, outputs, sends = [], [], []
         for i in range(m):  # all forwards
-            # TODO(you): naive_split.py's forward, for micro-batch i: receive x (unless the first
-            # stage; mb_shape is its shape), run the stage (the last stage also takes its loss,
-            # divided by m), isend the output on (unless the last stage; keep the work in
-            # `sends`), and keep x and the output in `inputs` and `outputs` for the backward.
+            # TODO(you): naive_split.py's forward, for micro-batch i: a stage's input comes from the
+            # previous stage (a buffer of shape mb_shape, whose gradient the backward must produce)
+            # unless it is the first; the last stage ends with its loss, scaled so that the m micro-
+            # batches add up to the batch's mean; the output goes on without blocking (keep the Work
+            # in `sends`). Time the compute in timeline.span("F", i); keep each input and output for
+            # the backward. Look up: dist.isend, Tensor.requires_grad_.
             todo("the forward of micro-batch i")
         for i in range(m):  # all backwards, in the same order
-            # TODO(you): naive_split.py's backward, for micro-batch i: start it from the loss (the
-            # last stage) or from the output gradient the next stage sends; then isend the input
-            # gradient back (unless the first stage).
+            # TODO(you): naive_split.py's backward, for micro-batch i: the last stage starts from
+            # its loss, the others from the output gradient the next stage sends; every stage but
+            # the first sends its input's gradient back. Time it in timeline.span("B", i). Look up:
+            # Tensor.backward's gradient argument.
             todo("the backward of micro-batch i")
         for work in sends:  # a buffer must not be freed before its send is done
             work.wait()

@@ -1,4 +1,5 @@
-"""Exercise 02.2 (starter): Megatron's tensor-parallel MLP written by hand, from two autograd
+# Yours to fill in. Generated from ../solutions/ex02_megatron_mlp.py by `make exercises`.
+"""Exercise 02.2: Megatron's tensor-parallel MLP written by hand, from two autograd
 Functions and two sliced linears, without DTensor.
 
     code/run_w_torchrun.sh 2 ch02_model_parallel/exercises/ex02_megatron_mlp.py
@@ -15,7 +16,8 @@ input gradient and weight-gradient slices, against the unsharded model and again
 ColwiseParallel/RowwiseParallel on the same MLP.
 Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
 time: it stops at the first todo() left and says what is missing.
-Solution: ../solutions/ex02_megatron_mlp.py (the same lines: diff the two files).
+`make exercise EX=02.2` checks it at 2 and 4 ranks. Solution, with the answers to the questions
+below: ../solutions/ex02_megatron_mlp.py.
 
 Predict, then measure:
 1. How many all_reduce calls in forward, and in backward? How many bytes each, for the default
@@ -78,13 +80,14 @@ class f(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        # TODO(you): return x as it is.
+        # TODO(you): what does every rank already hold of the input?
         todo("f.forward: the identity")
 
     @staticmethod
     def backward(ctx, grad):
-        # TODO(you): return the sum of grad over the ranks: all_reduce() above, on grad.clone()
-        # (autograd may share grad with other users of it).
+        # TODO(you): each rank's input gradient covers only its k features' paths: the full gradient
+        # is their sum over the ranks (the all_reduce() above, counted). A Function may not change a
+        # tensor autograd may share with other users.
         todo("f.backward: all_reduce the input gradient")
 
 
@@ -94,13 +97,13 @@ class g(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        # TODO(you): return the sum of x over the ranks: all_reduce() above, on x.clone() (a
-        # Function must not change its input in place).
+        # TODO(you): the full output is the sum over the ranks of their partial outputs (the
+        # all_reduce() above); a Function must not change its input in place.
         todo("g.forward: all_reduce the partial outputs")
 
     @staticmethod
     def backward(ctx, grad):
-        # TODO(you): return grad as it is.
+        # TODO(you): the output, hence its gradient, is the same on every rank.
         todo("g.backward: the identity")
 
 
@@ -111,8 +114,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, rank: int, world: int):
         super().__init__()
         k = full.out_features // world
-        # TODO(you): self.weight = nn.Parameter(...) of this rank's rows of full.weight:
-        # full.weight.detach()[...].clone() (a copy of its own, not a view of the full weight).
+        # TODO(you): this rank's slice of the weight as a Parameter of its own (not a view of the
+        # full weight). nn.Linear's weight is [out_features, in_features].
         todo("ColumnParallelLinear: keep rows [rank*k, (rank+1)*k) of the full weight")
 
     def forward(self, x):
@@ -126,7 +129,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, rank: int, world: int):
         super().__init__()
         k = full.in_features // world
-        # TODO(you): as in ColumnParallelLinear, with this rank's columns of full.weight.
+        # TODO(you): as in ColumnParallelLinear, for the input features.
         todo("RowParallelLinear: keep columns [rank*k, (rank+1)*k) of the full weight")
 
     def forward(self, x):

@@ -1,4 +1,4 @@
-"""Exercise 02.1 (solution): GPipe by hand, naive_split.py with micro-batches, over send/recv.
+"""Exercise 02.1: GPipe by hand, naive_split.py with micro-batches, over send/recv.
 
     code/run_w_torchrun.sh 2 ch02_model_parallel/solutions/ex02_gpipe_by_hand.py --microbatches 4
 
@@ -9,6 +9,21 @@ backwards, in the same order, each one sending its input gradient back. The loss
 is the mean of the micro-batches' losses, so each micro-batch's loss is divided by m before its
 backward: the accumulated gradients are then those of the whole batch's mean loss, and the
 losses match train_single.py's. It is what ScheduleGPipe does (pipeline.py), written out.
+Fill in the TODO(you) parts, replacing each todo(...) call with your code; naive_split.py has
+the forward and backward of one batch. Run the script at any time: it stops at the first
+todo() left and says what is missing.
+`make exercise EX=02.1` checks it at 2 and 3 ranks (--layers 3 at 3). Solution, with the answers
+to the questions below: ../solutions/ex02_gpipe_by_hand.py.
+
+Predict, then measure (the --json file holds every rank's compute spans):
+1. At --microbatches 1 this is naive_split.py. At 4, what fraction of the step should each of
+   the 2 ranks idle, by the formula? Why does this tiny model idle far more than that?
+2. Make the forward sends blocking (dist.send instead of isend). Does it still train the same?
+   What does rank 0 now wait for before it can start the next micro-batch?
+3. Drop the division by m. How far do the losses move from train_single.py's with AdamW, and
+   why would plain SGD show it at once?
+4. How many micro-batches' activations does stage 0 hold just before its first backward? What
+   would let it hold fewer (see Schedule1F1B)?
 """
 import argparse
 import os
@@ -17,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, RandomSampler
 
-from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit import print0, seed_everything, setup, teardown, todo, write_json
 from distkit.pipe import LlamaStage, Timeline, lm_loss, split_layers
 from distkit.toy import counting_data, tiny_llama
 
@@ -62,6 +77,14 @@ for epoch in range(args.epochs):
         micro = tokens.to(env.device).chunk(m)  # m micro-batches of batch_size/m sequences
         inputs, outputs, sends = [], [], []
         for i in range(m):  # all forwards
+            ### BEGIN SOLUTION: the forward of micro-batch i
+            ### HINT naive_split.py's forward, for micro-batch i: a stage's input comes from the
+            ### HINT previous stage (a buffer of shape mb_shape, whose gradient the backward must
+            ### HINT produce) unless it is the first; the last stage ends with its loss, scaled so
+            ### HINT that the m micro-batches add up to the batch's mean; the output goes on without
+            ### HINT blocking (keep the Work in `sends`). Time the compute in timeline.span("F", i);
+            ### HINT keep each input and output for the backward. Look up: dist.isend,
+            ### HINT Tensor.requires_grad_.
             if is_first:
                 x = micro[i]
             else:
@@ -76,7 +99,13 @@ for epoch in range(args.epochs):
                 sends.append(dist.isend(out.detach(), dst=env.rank + 1))
             inputs.append(x)
             outputs.append(out)
+            ### END SOLUTION
         for i in range(m):  # all backwards, in the same order
+            ### BEGIN SOLUTION: the backward of micro-batch i
+            ### HINT naive_split.py's backward, for micro-batch i: the last stage starts from its
+            ### HINT loss, the others from the output gradient the next stage sends; every stage but
+            ### HINT the first sends its input's gradient back. Time it in timeline.span("B", i).
+            ### HINT Look up: Tensor.backward's gradient argument.
             if is_last:
                 with timeline.span("B", i):
                     outputs[i].backward()  # gradients add up over the micro-batches
@@ -87,6 +116,7 @@ for epoch in range(args.epochs):
                     outputs[i].backward(grad)
             if not is_first:
                 sends.append(dist.isend(inputs[i].grad, dst=env.rank - 1))
+            ### END SOLUTION
         for work in sends:  # a buffer must not be freed before its send is done
             work.wait()
         optimizer.step()
@@ -102,3 +132,21 @@ box = [losses]
 dist.broadcast_object_list(box, src=env.world_size - 1)
 write_json(args.json, {"losses": box[0], "microbatches": m, "spans": spans})
 teardown()
+
+### BEGIN SOLUTION
+# Answers to "Predict, then measure":
+# 1. The bubble is (p-1)/(m+p-1) of the step: 1/5 = 20 % per rank at p = 2 stages, m = 4.
+#    This tiny model idles far more: each micro-batch's compute is a fraction of a millisecond,
+#    so every send/recv's fixed latency (gloo over TCP) and Python's per-call overhead, which
+#    the formula ignores, dominate (notebook 02 measures the spans).
+# 2. It trains the same (the values sent are the same). But rank 0 now waits in dist.send until
+#    rank 1 has posted the matching recv, i.e. until rank 1 is ready for micro-batch i, before
+#    it can compute micro-batch i+1: the stages run in lock-step instead of running ahead.
+# 3. The gradients are m times too large; AdamW divides that out (m / sqrt(v) is scale-free but
+#    for eps), so the losses stay within about 1e-6 of train_single.py's and the slip hides,
+#    while the printed losses (summed over micro-batches) are m times too large. Plain SGD would
+#    take m times larger steps and diverge from the reference at once.
+# 4. All m: stage 0 runs every forward before any backward (GPipe), holding the activations of
+#    m micro-batches. 1F1B (Schedule1F1B) starts micro-batch i's backward as soon as it can, so
+#    stage s holds at most p - s micro-batches' activations.
+### END SOLUTION

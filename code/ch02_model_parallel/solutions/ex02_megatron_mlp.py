@@ -1,7 +1,7 @@
-"""Exercise 02.2 (solution): Megatron's tensor-parallel MLP written by hand, from two autograd
+"""Exercise 02.2: Megatron's tensor-parallel MLP written by hand, from two autograd
 Functions and two sliced linears, without DTensor.
 
-    code/run_w_torchrun.sh 2 ch02_model_parallel/solutions/ex02_megatron_mlp.py
+    code/run_w_torchrun.sh 2 ch02_model_parallel/exercises/ex02_megatron_mlp.py
 
 Megatron-LM (Shoeybi et al. 2019, section 3) splits an MLP over N ranks with two operators:
 f (identity forward, all_reduce backward) where the replicated input enters the column-parallel
@@ -13,7 +13,21 @@ cross-entropy. So the MLP's output gradient is a real one, and everything below 
 (attention, embedding) learns only through f's all_reduce. Compared: loss, the MLP's output,
 input gradient and weight-gradient slices, against the unsharded model and against DTensor's
 ColwiseParallel/RowwiseParallel on the same MLP.
-The starter is ../exercises/ex02_megatron_mlp.py (the same lines: diff the two files).
+Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
+time: it stops at the first todo() left and says what is missing.
+`make exercise EX=02.2` checks it at 2 and 4 ranks. Solution, with the answers to the questions
+below: ../solutions/ex02_megatron_mlp.py.
+
+Predict, then measure:
+1. How many all_reduce calls in forward, and in backward? How many bytes each, for the default
+   --batch-size 8 --seq 32 --hidden 64?
+2. Give gate_proj and up_proj an f each (x1 = f.apply(x), x2 = f.apply(x)). Does anything stop
+   matching? What changes in the counts? Which plan of ../tensor_parallel.py does the same, and
+   what does it cost there per decoder layer?
+3. Drop f (use x as it is). Forward is unchanged, so the loss still matches. Which gradients
+   still match: this MLP's weight slices? Its input gradient? The embedding's (not compared
+   here: reason it out)? Why?
+4. Why does g's backward need no communication, and what would go wrong if it all-reduced too?
 """
 import argparse
 import copy
@@ -27,7 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit import print0, seed_everything, setup, teardown, todo, write_json
 from distkit.toy import counting_data, tiny_llama
 
 # Float32; sharding only reorders additions. Measured (seeds 0-2, N=2 and 4, native and scalar
@@ -65,11 +79,19 @@ class f(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
+        ### BEGIN SOLUTION: f.forward: the identity
+        ### HINT what does every rank already hold of the input?
         return x
+        ### END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
+        ### BEGIN SOLUTION: f.backward: all_reduce the input gradient
+        ### HINT each rank's input gradient covers only its k features' paths: the full gradient is
+        ### HINT their sum over the ranks (the all_reduce() above, counted). A Function may not
+        ### HINT change a tensor autograd may share with other users.
         return all_reduce(grad.clone())  # a copy: autograd may share grad with other users
+        ### END SOLUTION
 
 
 class g(torch.autograd.Function):
@@ -78,11 +100,18 @@ class g(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
+        ### BEGIN SOLUTION: g.forward: all_reduce the partial outputs
+        ### HINT the full output is the sum over the ranks of their partial outputs (the
+        ### HINT all_reduce() above); a Function must not change its input in place.
         return all_reduce(x.clone())  # a copy: a Function must not change its input in place
+        ### END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
+        ### BEGIN SOLUTION: g.backward: the identity
+        ### HINT the output, hence its gradient, is the same on every rank.
         return grad
+        ### END SOLUTION
 
 
 class ColumnParallelLinear(nn.Module):
@@ -92,7 +121,11 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, rank: int, world: int):
         super().__init__()
         k = full.out_features // world
+        ### BEGIN SOLUTION: ColumnParallelLinear: keep rows [rank*k, (rank+1)*k) of the full weight
+        ### HINT this rank's slice of the weight as a Parameter of its own (not a view of the full
+        ### HINT weight). nn.Linear's weight is [out_features, in_features].
         self.weight = nn.Parameter(full.weight.detach()[rank * k:(rank + 1) * k].clone())
+        ### END SOLUTION
 
     def forward(self, x):
         return F.linear(x, self.weight)  # Llama's linears have no bias
@@ -105,7 +138,10 @@ class RowParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, rank: int, world: int):
         super().__init__()
         k = full.in_features // world
+        ### BEGIN SOLUTION: RowParallelLinear: keep columns [rank*k, (rank+1)*k) of the full weight
+        ### HINT as in ColumnParallelLinear, for the input features.
         self.weight = nn.Parameter(full.weight.detach()[:, rank * k:(rank + 1) * k].clone())
+        ### END SOLUTION
 
     def forward(self, x):
         return F.linear(x, self.weight)
@@ -201,3 +237,21 @@ write_json(args.json, {
     "all_reduce_bytes": {"forward": sum(fwd_calls), "backward": sum(bwd_calls)},
     "errors": errors, "parity": parity})
 teardown()
+
+### BEGIN SOLUTION
+# Answers to "Predict, then measure":
+# 1. One all_reduce in forward (g) and one in backward (f), each of one [B, S, h] float32
+#    activation: 8 x 32 x 64 x 4 = 65,536 bytes.
+# 2. Everything still matches (two all_reduces of partial input gradients add up the same); the
+#    backward now makes 2 all_reduces, 131,072 bytes. ../tensor_parallel.py's naive plan
+#    (Colwise/RowwiseParallel on the linears only) does the same: each column-parallel linear
+#    all-reduces its own input gradient, one more all-reduce per block in backward (q, k, v:
+#    two more) per decoder layer; its megatron plan shares one input per block, as f does here.
+# 3. The loss, the MLP's output and its weight-gradient slices still match: they depend only on
+#    the forward and on the output gradient, which g passes on whole. The MLP's input gradient
+#    does not (each rank keeps only its k features' share), so neither does anything below the
+#    MLP: attention and the embedding would get a partial gradient, different on every rank,
+#    and the replicas would drift apart.
+# 4. g's output is the full sum, the same on every rank, so its gradient is already the full
+#    gradient on every rank. All-reducing it would add N copies: gradients N times too large.
+### END SOLUTION

@@ -1,4 +1,5 @@
-"""Exercise 03.1 (starter): ZeRO-1 by hand, each rank keeping AdamW's state for 1/N of the weights.
+# Yours to fill in. Generated from ../solutions/ex03_zero1_by_hand.py by `make exercises`.
+"""Exercise 03.1: ZeRO-1 by hand, each rank keeping AdamW's state for 1/N of the weights.
 
     code/run_w_torchrun.sh 2 ch03_zero/exercises/ex03_zero1_by_hand.py
 
@@ -13,8 +14,9 @@ every rank's full copy of the weights. The losses and weights must then match on
 training on the global batch (computed here, on every rank), while each rank's optimizer state
 is about 1/N of that process's.
 Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
-time: it stops at the first todo() left and says what is missing.
-Solution: ../solutions/ex03_zero1_by_hand.py (the same lines: diff the two files).
+time: it stops at the first todo() left and says what is missing; `make exercise EX=03.1` checks
+it at 2 and 3 ranks. Solution, with the answers to the questions below:
+../solutions/ex03_zero1_by_hand.py.
 
 Predict, then measure:
 1. Psi = 98,624 here. How many bytes of optimizer state does each rank hold at N = 4
@@ -93,9 +95,10 @@ padded = N * S
 flat = torch.zeros(padded, device=env.device)  # every rank's full copy, padding zeros at the end
 flat[:psi] = parameters_to_vector(params).detach()
 pad = torch.zeros(padded - psi, device=env.device)  # the padding's gradient: always zero
-# TODO(you): this rank's shard: lo, hi = env.rank * S, (env.rank + 1) * S; then
-# shard = flat[lo:hi].clone().requires_grad_() (a leaf tensor of its own: the fp32 master of
-# this slice) and optimizer = torch.optim.AdamW([shard], lr=args.lr): AdamW over the shard alone.
+# TODO(you): rank r owns values [r*S, (r+1)*S) of flat. Its shard must be a tensor of its own that
+# the optimizer can update (a leaf that requires grad, not a view of flat), and the AdamW built over
+# the shard alone, so that its state exists for S values only. Look up: Tensor.clone,
+# Tensor.requires_grad_.
 todo("pick this rank's shard of flat (lo, hi, shard) and build the AdamW over it alone")
 
 losses = []
@@ -105,18 +108,18 @@ for step in range(args.steps):
     loss.backward()
     flat_grad = torch.cat([p.grad.reshape(-1) for p in params] + [pad])
     model.zero_grad()
-    # TODO(you): shard.grad = torch.empty_like(shard.detach()), filled with this rank's slice of
-    # flat_grad summed over the ranks: dist.reduce_scatter_single(shard.grad, flat_grad,
-    # op=dist.ReduceOp.SUM) (formerly reduce_scatter_tensor). Then divide shard.grad by N:
-    # sum -> mean, as the single process's loss is a mean over the global batch.
+    # TODO(you): shard.grad must hold this rank's slice of flat_grad summed over all ranks, divided
+    # into the mean the one-process loss stands for. One collective does the sum and the slicing:
+    # dist.reduce_scatter_single (formerly reduce_scatter_tensor;
+    # torch/distributed/distributed_c10d.py).
     todo("reduce-scatter flat_grad into shard.grad, then divide it by N")
     optimizer.step()  # AdamW on S values: the only place this rank's optimizer state lives
     optimizer.zero_grad()
-    # TODO(you): every rank's updated shard into flat, on every rank:
-    # dist.all_gather_single(flat, shard.detach()) (formerly all_gather_into_tensor). Then copy
-    # flat back into the parameters for the next forward, under torch.no_grad(): the pieces
-    # flat[:psi].split(sizes), each p.copy_(piece.view_as(p)).
-    todo("all-gather the updated shards into flat and copy them back into the parameters")
+    # TODO(you): every rank needs every rank's updated shard in its flat copy, then the model's
+    # parameters must hold those values for the next forward (without autograd seeing the copy).
+    # Look up: dist.all_gather_single (formerly all_gather_into_tensor), Tensor.split, Tensor.copy_,
+    # torch.no_grad.
+    todo("all-gather the updated shards into flat, then into the parameters")
     loss = loss.detach()
     dist.all_reduce(loss)  # for the log: the mean over all ranks' sequences
     losses.append(loss.item() / N)

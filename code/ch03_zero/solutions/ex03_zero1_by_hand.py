@@ -1,18 +1,34 @@
-"""Exercise 03.1 solution: ZeRO-1 by hand, each rank keeping AdamW's state for 1/N of the weights.
+"""Exercise 03.1: ZeRO-1 by hand, each rank keeping AdamW's state for 1/N of the weights.
 
-    code/run_w_torchrun.sh 2 ch03_zero/solutions/ex03_zero1_by_hand.py
+    code/run_w_torchrun.sh 2 ch03_zero/exercises/ex03_zero1_by_hand.py
 
 Every rank builds the same model (same seed) and trains it on its part of each global batch, as
 in DDP. What changes is the optimizer: all Psi parameters are flattened into one fp32 vector,
 padded to a multiple of N, and rank r owns the contiguous shard [r*S, (r+1)*S), S = padded/N.
-Each rank runs a plain AdamW over its shard only (a standalone copy: the fp32 master of its
-slice), so exp_avg and exp_avg_sq exist for S values, not Psi: ZeRO-1. Each step the flat
-gradient is reduce-scattered (summed over ranks, each rank keeping its slice; divided by N for
-the mean), the shard takes its AdamW step, and the updated shards are all-gathered back into
-every rank's full copy of the weights. AdamW works value by value, so the losses and weights
-match one process training on the global batch (computed here, on every rank), while each
-rank's optimizer state is about 1/N of that process's. The starter is
-../exercises/ex03_zero1_by_hand.py (same lines).
+Give each rank a plain AdamW over its shard only (a standalone copy: the fp32 master of its
+slice), so that exp_avg and exp_avg_sq exist for S values, not Psi: ZeRO-1. Each step,
+reduce-scatter the flat gradient (summed over ranks, each rank keeping its slice; divide by N
+for the mean), let the shard take its AdamW step, and all-gather the updated shards back into
+every rank's full copy of the weights. The losses and weights must then match one process
+training on the global batch (computed here, on every rank), while each rank's optimizer state
+is about 1/N of that process's.
+Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
+time: it stops at the first todo() left and says what is missing; `make exercise EX=03.1` checks
+it at 2 and 3 ranks. Solution, with the answers to the questions below:
+../solutions/ex03_zero1_by_hand.py.
+
+Predict, then measure:
+1. Psi = 98,624 here. How many bytes of optimizer state does each rank hold at N = 4
+   (code/run_w_torchrun.sh 4 ...), and one process? Why not exactly a quarter?
+2. Only the optimizer state is sharded: every rank still holds all Psi weights and all Psi
+   gradients. ZeRO-2 shards the gradients too: which tensor in this loop would then need only S
+   values, and from which line on is the rest of the flat gradient no longer needed?
+3. DDP all-reduces Psi gradient values per step; this script reduce-scatters Psi values and
+   all-gathers Psi. Which sends more bytes per rank? (Chapter 00: how does a ring all-reduce
+   work?)
+4. Start every rank from different weights (seed_everything(SEED + env.rank) for the ZeRO-1
+   model). After one step, are the weights identical on every rank? Do the losses still match
+   one process's?
 """
 import argparse
 
@@ -21,7 +37,7 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
 from distkit import (print0, print_ranks, same_on_all_ranks, seed_everything, setup, teardown,
-                     write_json)
+                     todo, write_json)
 from distkit.toy import counting_data, tiny_llama
 
 # Against one process: float32 rounding differs (the gradient summed in another order); a wrong
@@ -78,9 +94,15 @@ padded = N * S
 flat = torch.zeros(padded, device=env.device)  # every rank's full copy, padding zeros at the end
 flat[:psi] = parameters_to_vector(params).detach()
 pad = torch.zeros(padded - psi, device=env.device)  # the padding's gradient: always zero
+### BEGIN SOLUTION: pick this rank's shard of flat (lo, hi, shard) and build the AdamW over it alone
+### HINT rank r owns values [r*S, (r+1)*S) of flat. Its shard must be a tensor of its own that the
+### HINT optimizer can update (a leaf that requires grad, not a view of flat), and the AdamW built
+### HINT over the shard alone, so that its state exists for S values only. Look up:
+### HINT Tensor.clone, Tensor.requires_grad_.
 lo, hi = env.rank * S, (env.rank + 1) * S
 shard = flat[lo:hi].clone().requires_grad_()  # a leaf of its own: this rank's fp32 master slice
 optimizer = torch.optim.AdamW([shard], lr=args.lr)  # state for S values only
+### END SOLUTION
 
 losses = []
 for step in range(args.steps):
@@ -89,19 +111,31 @@ for step in range(args.steps):
     loss.backward()
     flat_grad = torch.cat([p.grad.reshape(-1) for p in params] + [pad])
     model.zero_grad()
+    ### BEGIN SOLUTION: reduce-scatter flat_grad into shard.grad, then divide it by N
+    ### HINT shard.grad must hold this rank's slice of flat_grad summed over all ranks, divided
+    ### HINT into the mean the one-process loss stands for. One collective does the sum and the
+    ### HINT slicing: dist.reduce_scatter_single (formerly reduce_scatter_tensor;
+    ### HINT torch/distributed/distributed_c10d.py).
     # Sum over ranks, keep only this rank's slice (formerly dist.reduce_scatter_tensor; gloo
     # has it). Then sum -> mean, as the single process's loss is a mean over the global batch.
     shard.grad = torch.empty_like(shard.detach())
     dist.reduce_scatter_single(shard.grad, flat_grad, op=dist.ReduceOp.SUM)
     shard.grad /= N
+    ### END SOLUTION
     optimizer.step()  # AdamW on S values: the only place this rank's optimizer state lives
     optimizer.zero_grad()
+    ### BEGIN SOLUTION: all-gather the updated shards into flat, then into the parameters
+    ### HINT every rank needs every rank's updated shard in its flat copy, then the model's
+    ### HINT parameters must hold those values for the next forward (without autograd seeing the
+    ### HINT copy). Look up: dist.all_gather_single (formerly all_gather_into_tensor),
+    ### HINT Tensor.split, Tensor.copy_, torch.no_grad.
     # Every rank's updated slice, to every rank (formerly dist.all_gather_into_tensor), then
     # back into the model's parameters for the next forward.
     dist.all_gather_single(flat, shard.detach())
     with torch.no_grad():
         for p, new in zip(params, flat[:psi].split(sizes)):
             p.copy_(new.view_as(p))
+    ### END SOLUTION
     loss = loss.detach()
     dist.all_reduce(loss)  # for the log: the mean over all ranks' sequences
     losses.append(loss.item() / N)
@@ -134,3 +168,19 @@ write_json(args.json, {
     "optimizer_state_bytes": per_rank, "optimizer_tensors_held": len(optimizer.state),
     "single_optimizer_state_bytes": single_state, "ratio": ratio, "identical": identical})
 teardown()
+
+### BEGIN SOLUTION
+# Answers to "Predict, then measure":
+# 1. At N = 4, S = ceil(98,624 / 4) = 24,656: each rank holds 8 x 24,656 + 4 = 197,252 bytes
+#    (exp_avg and exp_avg_sq, 4 bytes a value, and one step counter, as AdamW sees one tensor);
+#    one process 8 x 98,624 + 4 x 21 = 789,076. Not exactly a quarter: one process keeps a step
+#    counter per parameter tensor (21), a rank one for its shard, and S is rounded up.
+# 2. shard.grad needs only S values; flat_grad is needed whole only as the reduce-scatter's
+#    input: from the line after dist.reduce_scatter_single on, every value outside [lo, hi) is
+#    dead. ZeRO-2 reduce-scatters each bucket as backward produces it and frees the rest.
+# 3. The same: a ring all-reduce IS a reduce-scatter followed by an all-gather, 2(N-1)/N x Psi
+#    values sent per rank either way (chapter 00). ZeRO-1 costs DDP's bytes.
+# 4. Yes, identical: after the first step every rank copies the same all-gathered flat into its
+#    weights. But the losses no longer match one process: each rank's first forward and
+#    backward ran on different weights, so the summed gradient of step 1 is not the one model's.
+### END SOLUTION

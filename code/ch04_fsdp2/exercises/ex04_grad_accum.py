@@ -1,4 +1,5 @@
-"""Exercise 04.2 (starter): gradient accumulation with FSDP2, reduce-scattering once per step.
+# Yours to fill in. Generated from ../solutions/ex04_grad_accum.py by `make exercises`.
+"""Exercise 04.2: gradient accumulation with FSDP2, reduce-scattering once per step.
 
     code/run_w_torchrun.sh 2 ch04_fsdp2/exercises/ex04_grad_accum.py --micro-batches 4
 
@@ -13,7 +14,8 @@ up to the big batch's loss, and the losses match one process training on the who
 (computed here, on every rank) either way; CommDebugMode counts the collectives of each.
 Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
 time: it stops at the first todo() left and says what is missing.
-Solution: ../solutions/ex04_grad_accum.py (the same lines: diff the two files).
+`make exercise EX=04.2` checks it at 2 and 3 ranks. Solution, with the answers
+to the questions below: ../solutions/ex04_grad_accum.py.
 
 Predict, then measure:
 1. How many reduce-scatters and all-gathers per optimizer step at --micro-batches 8, in each
@@ -106,16 +108,16 @@ for mode in ("every", "last"):  # reduce-scatter after every micro-batch / after
         total, calls = torch.zeros((), device=env.device), Counter()
         for k in range(K):
             if mode == "last":
-                # TODO(you): gradient sync off for the first K-1 micro-batches, on for the last
-                # (k == K - 1), whose backward then reduce-scatters their sum:
-                # model.set_requires_gradient_sync(...) (it sets every FSDP unit inside too).
+                # TODO(you): the first K-1 backwards must keep their gradients on this rank, adding
+                # up, and only the last backward reduce-scatter their sum. Look up: FSDPModule's
+                # set_* methods (torch/distributed/fsdp/_fully_shard/_fully_shard.py).
                 todo("sync the gradients on the last micro-batch only")
             # one counter per micro-batch: a CommDebugMode still open at the forward after a
             # backward fails in its module tracker (IndexError, torch 2.13)
             with CommDebugMode() as comm:
-                # TODO(you): loss = this micro-batch's loss (model(input_ids=micro[k],
-                # labels=micro[k]).loss, the mean over its tokens), scaled so that the K losses
-                # (and their gradients) add up to the mean over all K micro-batches' tokens.
+                # TODO(you): loss: this micro-batch's loss (the model's .loss is the mean over its
+                # tokens), scaled so that the K losses, and so their gradients, add up to the mean
+                # over all K micro-batches' tokens (every micro-batch has as many).
                 todo("the micro-batch's loss, scaled to add up to the big batch's mean")
                 loss.backward()
             calls.update(collective_counts(comm))

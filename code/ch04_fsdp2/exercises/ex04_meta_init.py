@@ -1,4 +1,5 @@
-"""Exercise 04.1 (starter): build a sharded model on the meta device, rank 0 alone holding it whole.
+# Yours to fill in. Generated from ../solutions/ex04_meta_init.py by `make exercises`.
+"""Exercise 04.1: build a sharded model on the meta device, rank 0 alone holding it whole.
 
     code/run_w_torchrun.sh 2 ch04_fsdp2/exercises/ex04_meta_init.py
 
@@ -16,7 +17,8 @@ The losses over a few AdamW steps must then match one process training rank 0's 
 global batch, and inv_freq must match bit for bit.
 Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
 time: it stops at the first todo() left and says what is missing.
-Solution: ../solutions/ex04_meta_init.py (the same lines: diff the two files).
+`make exercise EX=04.1` checks it at 2 and 3 ranks. Solution, with the answers
+to the questions below: ../solutions/ex04_meta_init.py.
 
 Predict, then measure:
 1. Comment out your inv_freq lines and run again: what do the two checks say? The losses at 3
@@ -65,8 +67,8 @@ with torch.device("meta"):
 for layer in model.model.layers:
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
-# TODO(you): allocate this rank's shards, uninitialised, on env.device:
-# model.to_empty(device=...). (Not .to(): a meta tensor has no values to copy.)
+# TODO(you): allocate this rank's shards, uninitialised, on env.device. Why can .to() not do it?
+# Look up: nn.Module.to_empty.
 todo("allocate the sharded model's storage on env.device (to_empty)")
 rotary = model.model.rotary_emb
 
@@ -82,18 +84,16 @@ non_persistent = sorted(name for name, _ in model.named_buffers()
 print0(f"buffers not in the state dict (non-persistent): {', '.join(non_persistent)}")
 
 # 3. Rank 0's full tensors, broadcast one by one; each rank copies its shard into its DTensors.
-# TODO(you): set_model_state_dict(model, full_sd, options=StateDictOptions(...)) with
-# full_state_dict=True (full_sd holds whole tensors, not shards) and broadcast_from_rank0=True
-# (only rank 0 holds them; the other ranks pass their empty dict and receive).
+# TODO(you): full_sd holds whole tensors (not shards), and only on rank 0; every rank must end up
+# with its shard of each. Look up: torch.distributed.checkpoint.state_dict's set_model_state_dict
+# and StateDictOptions' fields.
 todo("load rank 0's full_sd into every rank's shards (set_model_state_dict)")
 # 4. The buffers no state dict carries: recompute them from the config, as the rotary
 # embedding's __init__ does (and transformers' _init_weights, when from_pretrained loads a model
 # built on meta). On the CPU, as the reference's were: bit for bit equal.
-# TODO(you): compute inv_freq as LlamaRotaryEmbedding.__init__ does (transformers/models/llama/
-# modeling_llama.py): for rotary.rope_type "default", rotary.compute_default_rope_parameters(
-# model.config) returns (inv_freq, attention scaling); other types take their function from
-# transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS. Copy inv_freq into rotary.inv_freq and
-# rotary.original_inv_freq, under torch.no_grad().
+# TODO(you): both buffers must hold what LlamaRotaryEmbedding.__init__ computes from model.config
+# for its rope_type, bit for bit. Read that __init__ (transformers/models/llama/modeling_llama.py)
+# and transformers.modeling_rope_utils.
 todo("recompute the rotary embedding's inv_freq and original_inv_freq buffers")
 
 local = sum(p.to_local().nbytes for p in model.parameters())

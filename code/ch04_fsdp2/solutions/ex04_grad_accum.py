@@ -1,6 +1,6 @@
-"""Exercise 04.2 solution: gradient accumulation with FSDP2, reduce-scattering once per step.
+"""Exercise 04.2: gradient accumulation with FSDP2, reduce-scattering once per step.
 
-    code/run_w_torchrun.sh 2 ch04_fsdp2/solutions/ex04_grad_accum.py --micro-batches 4
+    code/run_w_torchrun.sh 2 ch04_fsdp2/exercises/ex04_grad_accum.py --micro-batches 4
 
 Each optimizer step runs K micro-batches, forward and backward, before one AdamW step: the batch
 of a big step with the activation memory of a small one. By default FSDP2 reduce-scatters every
@@ -8,11 +8,23 @@ unit's gradients in every backward, so K micro-batches cost K reduce-scatters pe
 model.set_requires_gradient_sync(False) a backward keeps its gradients on the rank, unsharded,
 adding them up; the last micro-batch's backward, with sync back on, reduce-scatters their sum
 once (FSDP1's no_sync(), DDP's no_sync()). The price: each rank holds full-size gradients
-between micro-batches, not 1/N of them. Each micro-batch's mean cross-entropy is divided by K,
-so the sum over the K micro-batches is the mean over all their tokens (every micro-batch has as
-many tokens): the losses match one process training on the whole global batch (computed here,
-on every rank) either way; CommDebugMode counts the collectives of each. The starter is
-../exercises/ex04_grad_accum.py (same lines).
+between micro-batches, not 1/N of them. Scale each micro-batch's loss so that the K of them add
+up to the big batch's loss, and the losses match one process training on the whole global batch
+(computed here, on every rank) either way; CommDebugMode counts the collectives of each.
+Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
+time: it stops at the first todo() left and says what is missing.
+`make exercise EX=04.2` checks it at 2 and 3 ranks. Solution, with the answers
+to the questions below: ../solutions/ex04_grad_accum.py.
+
+Predict, then measure:
+1. How many reduce-scatters and all-gathers per optimizer step at --micro-batches 8, in each
+   mode? Why do the all-gathers not drop with the sync off?
+2. Which FSDP2 setting would keep every layer's parameters gathered from one micro-batch to the
+   next (fully_shard's arguments; FSDPModule's set_* methods), and what would it cost per rank?
+3. Drop the division by K. The printed losses grow K-fold; do the models still train the same?
+   (What does AdamW do to a gradient multiplied by K? Would SGD shrug it off too?)
+4. If the micro-batches had different numbers of tokens (padding labelled -100), why would the
+   mean over each divided by K no longer be the big batch's mean, and what would you divide by?
 """
 import argparse
 import warnings
@@ -24,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit import print0, seed_everything, setup, teardown, todo, write_json
 from distkit.toy import counting_data, tiny_llama
 
 # Against one process: float32 rounding differs (micro-batch gradients summed in another order);
@@ -95,15 +107,25 @@ for mode in ("every", "last"):  # reduce-scatter after every micro-batch / after
         total, calls = torch.zeros((), device=env.device), Counter()
         for k in range(K):
             if mode == "last":
+                ### BEGIN SOLUTION: sync the gradients on the last micro-batch only
+                ### HINT the first K-1 backwards must keep their gradients on this rank, adding up,
+                ### HINT and only the last backward reduce-scatter their sum. Look up: FSDPModule's
+                ### HINT set_* methods (torch/distributed/fsdp/_fully_shard/_fully_shard.py).
                 # Sync off for the first K-1 backwards: gradients add up on this rank,
                 # unsharded; on for the last, whose backward reduce-scatters their sum.
                 model.set_requires_gradient_sync(k == K - 1)
+                ### END SOLUTION
             # one counter per micro-batch: a CommDebugMode still open at the forward after a
             # backward fails in its module tracker (IndexError, torch 2.13)
             with CommDebugMode() as comm:
+                ### BEGIN SOLUTION: the micro-batch's loss, scaled to add up to the big batch's mean
+                ### HINT loss: this micro-batch's loss (the model's .loss is the mean over its
+                ### HINT tokens), scaled so that the K losses, and so their gradients, add up to the
+                ### HINT mean over all K micro-batches' tokens (every micro-batch has as many).
                 # mean over this micro-batch's tokens / K: summed over the K micro-batches, the
                 # mean over all of them (equal token counts), as one big batch's loss
                 loss = model(input_ids=micro[k], labels=micro[k]).loss / K
+                ### END SOLUTION
                 loss.backward()
             calls.update(collective_counts(comm))
             total += loss.detach()
@@ -133,3 +155,23 @@ write_json(args.json, {
     "fsdp_units": units, "single_losses": single_losses, "tolerance": LOSS_TOL,
     "modes": results})
 teardown()
+
+### BEGIN SOLUTION
+# Answers to "Predict, then measure":
+# 1. With 3 FSDP units (2 decoder layers + the root) at --micro-batches 8: "every" makes 8 x 3 =
+#    24 reduce-scatters per step, "last" 3. All-gathers stay 8 x (2 x 2 + 1) = 40 in both: each
+#    micro-batch's forward gathers every unit and its backward each layer again (the root stays
+#    gathered after forward), because the parameters are resharded after each; the sync setting
+#    only concerns gradients.
+# 2. fully_shard(..., reshard_after_forward=False) and FSDPModule.set_reshard_after_backward(
+#    False) keep each unit's parameters gathered between micro-batches: one all-gather per unit
+#    per step instead of per micro-batch, for the price of every rank holding the whole
+#    parameters (4 Psi bytes in float32) instead of 1/N of them, on top of the full gradients.
+# 3. They train the same, to ~1e-6 (the printed losses are K times larger): AdamW's step
+#    m / (sqrt(v) + eps) does not change when every gradient is multiplied by K, but for eps.
+#    SGD would take K times larger steps.
+# 4. A micro-batch with fewer valid tokens would weigh each of its tokens more: the mean of
+#    means is not the mean over all tokens. Sum the token losses (reduction="sum", or the mean
+#    times the micro-batch's valid tokens) and divide by the global batch's valid-token count,
+#    counted before the first micro-batch (all-reduced over the ranks too).
+### END SOLUTION

@@ -1,19 +1,34 @@
-"""Exercise 04.1 solution: build a sharded model on the meta device, rank 0 alone holding it whole.
+"""Exercise 04.1: build a sharded model on the meta device, rank 0 alone holding it whole.
 
-    code/run_w_torchrun.sh 2 ch04_fsdp2/solutions/ex04_meta_init.py
+    code/run_w_torchrun.sh 2 ch04_fsdp2/exercises/ex04_meta_init.py
 
 Every rank builds the model under torch.device("meta"): shapes and dtypes, no memory, no random
-numbers. fully_shard then turns each parameter into a DTensor whose local shard is still meta,
-and model.to_empty() allocates just those shards, uninitialised. Only rank 0 builds the real,
-seeded model (on the CPU, as from a checkpoint); set_model_state_dict with full_state_dict=True
-and broadcast_from_rank0=True sends its tensors one by one, each rank keeping its shard. So no
-rank but 0 ever holds the whole model, and rank 0 only on the CPU.
+numbers. fully_shard then turns each parameter into a DTensor whose local shard is still meta.
+Allocate just those shards, uninitialised, with model.to_empty(). Only rank 0 builds the real,
+seeded model (on the CPU, as from a checkpoint); load it with set_model_state_dict, rank 0's
+full state dict broadcast tensor by tensor, each rank keeping its shard. So no rank but 0 ever
+holds the whole model, and rank 0 only on the CPU.
 The trap: the state dict holds parameters and persistent buffers only. The rotary embedding's
 inv_freq (and original_inv_freq) are non-persistent buffers: not in the state dict, not
-broadcast, and to_empty() left them as whatever bytes the allocator returned. They are computed,
+broadcast, and to_empty() leaves them as whatever bytes the allocator returns. They are computed,
 not learnt: recompute them from the config, as transformers does when it builds the model.
-Checked: the losses over a few AdamW steps match one process training rank 0's model on the
-global batch, and inv_freq matches bit for bit. The starter is ../exercises/ex04_meta_init.py.
+The losses over a few AdamW steps must then match one process training rank 0's model on the
+global batch, and inv_freq must match bit for bit.
+Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
+time: it stops at the first todo() left and says what is missing.
+`make exercise EX=04.1` checks it at 2 and 3 ranks. Solution, with the answers
+to the questions below: ../solutions/ex04_meta_init.py.
+
+Predict, then measure:
+1. Comment out your inv_freq lines and run again: what do the two checks say? The losses at 3
+   decimals barely move: why does a freshly initialised model hardly notice wrong rotary
+   frequencies, and why would a trained one?
+2. broadcast_from_rank0 sends whole tensors, one at a time, and each rank keeps its shard of
+   each. How many bytes does rank 1 hold at most for a moment beyond its shards? (Which is the
+   largest tensor in the state dict?)
+3. Run it on 3 processes (code/run_w_torchrun.sh 3 ...). Why are the bytes held per rank no
+   longer equal?
+4. Why does model.to(env.device) fail on the meta model, where to_empty() works?
 """
 import argparse
 
@@ -23,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from distkit import print0, print_ranks, seed_everything, setup, teardown, write_json
+from distkit import print0, print_ranks, seed_everything, setup, teardown, todo, write_json
 from distkit.toy import counting_data, tiny_llama
 
 # Against one process: float32 rounding differs (gradients reduced in another order); a wrong
@@ -51,7 +66,11 @@ with torch.device("meta"):
 for layer in model.model.layers:
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
+### BEGIN SOLUTION: allocate the sharded model's storage on env.device (to_empty)
+### HINT allocate this rank's shards, uninitialised, on env.device. Why can .to() not do it? Look
+### HINT up: nn.Module.to_empty.
 model.to_empty(device=env.device)  # this rank's shards only, uninitialised
+### END SOLUTION
 rotary = model.model.rotary_emb
 
 # 2. Rank 0 alone: the real, seeded model on the CPU (in practice: read from a checkpoint).
@@ -66,11 +85,20 @@ non_persistent = sorted(name for name, _ in model.named_buffers()
 print0(f"buffers not in the state dict (non-persistent): {', '.join(non_persistent)}")
 
 # 3. Rank 0's full tensors, broadcast one by one; each rank copies its shard into its DTensors.
+### BEGIN SOLUTION: load rank 0's full_sd into every rank's shards (set_model_state_dict)
+### HINT full_sd holds whole tensors (not shards), and only on rank 0; every rank must end up with
+### HINT its shard of each. Look up: torch.distributed.checkpoint.state_dict's set_model_state_dict
+### HINT and StateDictOptions' fields.
 set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
+### END SOLUTION
 # 4. The buffers no state dict carries: recompute them from the config, as the rotary
 # embedding's __init__ does (and transformers' _init_weights, when from_pretrained loads a model
 # built on meta). On the CPU, as the reference's were: bit for bit equal.
+### BEGIN SOLUTION: recompute the rotary embedding's inv_freq and original_inv_freq buffers
+### HINT both buffers must hold what LlamaRotaryEmbedding.__init__ computes from model.config for
+### HINT its rope_type, bit for bit. Read that __init__
+### HINT (transformers/models/llama/modeling_llama.py) and transformers.modeling_rope_utils.
 if rotary.rope_type == "default":  # the tiny Llama's (and Llama 2's)
     inv_freq, _ = rotary.compute_default_rope_parameters(model.config)
 else:  # scaled variants: "llama3" (Llama 3.1+), "yarn", "linear", ...
@@ -79,6 +107,7 @@ else:  # scaled variants: "llama3" (Llama 3.1+), "yarn", "linear", ...
 with torch.no_grad():
     rotary.inv_freq.copy_(inv_freq)
     rotary.original_inv_freq.copy_(inv_freq)
+### END SOLUTION
 
 local = sum(p.to_local().nbytes for p in model.parameters())
 whole = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -131,3 +160,18 @@ if env.rank == 0:
         "max_loss_diff": max_loss_diff, "tolerance": LOSS_TOL,
         "parity": max_loss_diff < LOSS_TOL, "inv_freq_exact": exact_all})
 teardown()
+
+### BEGIN SOLUTION
+# Answers to "Predict, then measure":
+# 1. "inv_freq bit-exact: False" on every rank, and the loss check against one process fails at
+#    1e-5: the buffers hold whatever bytes to_empty() got (often zeros: no rotation at all).
+#    A freshly initialised model hardly uses positions yet (its attention is near uniform), so
+#    its losses at 3 decimals barely move; a trained one relies on the positions its rotary
+#    frequencies encode, and wrong ones scramble every attention pattern it learned.
+# 2. About one whole tensor at a time beyond its shards: the largest tensors of the tiny Llama
+#    (the embedding and the MLP weights, 128 x 64 float32) are 32,768 bytes.
+# 3. fully_shard splits dimension 0 into ceil(rows / 3) chunks: 128 rows give 43 + 43 + 42 and
+#    64 rows 22 + 22 + 20, so the last rank holds fewer bytes.
+# 4. A meta tensor has a shape but no data: .to() must copy values that do not exist
+#    ("Cannot copy out of meta tensor"); to_empty() allocates new, uninitialised storage.
+### END SOLUTION

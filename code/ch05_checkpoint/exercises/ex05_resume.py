@@ -1,4 +1,5 @@
-"""Exercise 05.1 (starter): make a resume exact, bit for bit, after a restart from a checkpoint.
+# Yours to fill in. Generated from ../solutions/ex05_resume.py by `make exercises`.
+"""Exercise 05.1: make a resume exact, bit for bit, after a restart from a checkpoint.
 
     code/run_w_torchrun.sh 2 ch05_checkpoint/exercises/ex05_resume.py --save-at 5
 
@@ -16,7 +17,8 @@ run must remember (DCP's Stateful protocol), and the data, which must go on wher
 Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
 time: it stops at the first todo() left and says what is missing; once they are all done it
 says whether the resume is exact, and if not, at which step it differs and what is likely
-missing. Solution: ../solutions/ex05_resume.py (the same lines: diff the two files).
+missing; `make exercise EX=05.1` checks it at 2 and 3 ranks. Solution, with the answers to the
+questions below: ../solutions/ex05_resume.py.
 
 Predict, then measure:
 1. Save and load only the step in Progress, not the scheduler. Which step is the first to run
@@ -98,11 +100,11 @@ def build(seed):
 def batches_after(loader, done):
     """This rank's batches for steps done + 1, done + 2, ..., epoch after epoch, endlessly:
     the batches an uninterrupted run reads there (loader.sampler reshuffles with set_epoch)."""
-    # TODO(you): yield them: the epoch that step done + 1 falls in (len(loader) steps per
-    # epoch) and how many of its batches were trained on already; that epoch's shuffle
-    # (loader.sampler.set_epoch); skip those batches (itertools.islice(loader, n, None)); then
-    # every later epoch from its first batch, endlessly (train() takes as many as it needs).
-    todo("batches_after(): the batches of the steps after `done` (skip those trained on)")
+    # TODO(you): yield exactly the batches the uninterrupted run reads at steps done + 1, done + 2,
+    # ...: the epoch that step falls in (len(loader) steps per epoch), with that epoch's own
+    # shuffle, past the batches of it already trained on; then every later epoch, endlessly (train()
+    # takes as many as it needs). Look up: DistributedSampler.set_epoch, itertools.islice.
+    todo("batches_after(): the batches of the steps after `done`, skipping the rest")
 
 
 class Progress(Stateful):
@@ -114,15 +116,15 @@ class Progress(Stateful):
         self.step, self.scheduler = 0, scheduler
 
     def state_dict(self):
-        # TODO(you): return a dict of what a restart needs that AppState does not hold: the
-        # steps done, and the state of whatever else changes as the run goes on (what does
-        # train() call every step besides the model and AdamW?). Ints, floats, lists, dicts:
-        # dcp.save writes them (a value that is not a DTensor is written once, by one rank).
+        # TODO(you): return a dict of what a restart needs that AppState does not hold: the steps
+        # done, and the state of whatever else changes as the run goes on (what does train() call
+        # every step besides the model and AdamW?). Ints, floats, lists, dicts: dcp.save writes them
+        # (a value that is not a DTensor is written once, by one rank).
         todo("Progress.state_dict(): what a restart needs beyond the model and AdamW")
 
     def load_state_dict(self, state):
-        # TODO(you): the inverse of state_dict(): put back into self, and into what it holds,
-        # the values dcp.load read from the checkpoint (`state` has state_dict()'s keys).
+        # TODO(you): the inverse of state_dict(): put back into self, and into what it holds, the
+        # values dcp.load read from the checkpoint (`state` has state_dict()'s keys).
         todo("Progress.load_state_dict(): put the steps done and the rest back")
 
 

@@ -1,6 +1,6 @@
-"""Exercise 05.1 solution: make a resume exact, bit for bit, after a restart from a checkpoint.
+"""Exercise 05.1: make a resume exact, bit for bit, after a restart from a checkpoint.
 
-    code/run_w_torchrun.sh 2 ch05_checkpoint/solutions/ex05_resume.py --save-at 5
+    code/run_w_torchrun.sh 2 ch05_checkpoint/exercises/ex05_resume.py --save-at 5
 
 One launch plays a job and its restart. First the job: the tiny Llama sharded with FSDP2, AdamW
 with an LR schedule (linear warm-up, then cosine decay), --steps steps of a global batch of
@@ -11,11 +11,24 @@ run left in memory: a fresh model (another seed), AdamW, LR schedule and data lo
 checkpoint loaded with dcp.load, training on from step --save-at + 1. The steps after the
 checkpoint must match the first run's bit for bit: the same batch on every rank, the same LR,
 the same loss, and the same model and AdamW state at the end (sha256 of the whole state).
-Progress holds what a restart needs beyond the model and AdamW: the steps done and the LR
-scheduler's state (AdamW's param_groups carry the LR of the next step, but the scheduler would
-overwrite it with its own, restarted, at its first step()); the data skips the batches already
-trained on, in the epoch they were in, with that epoch's shuffle. The starter is
-../exercises/ex05_resume.py (same lines).
+AppState already brings the model and AdamW back; the rest is yours: Progress, what else the
+run must remember (DCP's Stateful protocol), and the data, which must go on where it stopped.
+Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any
+time: it stops at the first todo() left and says what is missing; once they are all done it
+says whether the resume is exact, and if not, at which step it differs and what is likely
+missing; `make exercise EX=05.1` checks it at 2 and 3 ranks. Solution, with the answers to the
+questions below: ../solutions/ex05_resume.py.
+
+Predict, then measure:
+1. Save and load only the step in Progress, not the scheduler. Which step is the first to run
+   at another LR, and why not step --save-at + 1? (Which other state in the checkpoint holds
+   the LR of the next step, and what overwrites it?)
+2. Run it with --save-at 4, the last step of an epoch: which epoch and batch does your resume
+   start at? And with --save-at 8?
+3. The checkpoint holds no random generator state, yet the resume is exact; train_ckpt.py saves
+   every rank's (RNGState). What in a training run would need it that this one lacks?
+4. Your resume reads the batches it skips and throws them away. With a data set of billions of
+   tokens, streamed, what would you put in the checkpoint instead?
 """
 import argparse
 import itertools
@@ -33,7 +46,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit import print0, seed_everything, setup, teardown, todo, write_json
 from distkit.ckpt import AppState, state_digest
 from distkit.toy import counting_data, tiny_llama
 
@@ -86,6 +99,12 @@ def build(seed):
 def batches_after(loader, done):
     """This rank's batches for steps done + 1, done + 2, ..., epoch after epoch, endlessly:
     the batches an uninterrupted run reads there (loader.sampler reshuffles with set_epoch)."""
+    ### BEGIN SOLUTION: batches_after(): the batches of the steps after `done`, skipping the rest
+    ### HINT yield exactly the batches the uninterrupted run reads at steps done + 1, done + 2, ...:
+    ### HINT the epoch that step falls in (len(loader) steps per epoch), with that epoch's own
+    ### HINT shuffle, past the batches of it already trained on; then every later epoch, endlessly
+    ### HINT (train() takes as many as it needs). Look up: DistributedSampler.set_epoch,
+    ### HINT itertools.islice.
     # The epoch step done + 1 falls in, and the batches of it already trained on; that epoch's
     # own shuffle (set_epoch), then every later epoch's from its first batch.
     epoch, skip = divmod(done, len(loader))
@@ -93,6 +112,7 @@ def batches_after(loader, done):
         loader.sampler.set_epoch(epoch)
         yield from itertools.islice(loader, skip, None)
         epoch, skip = epoch + 1, 0
+    ### END SOLUTION
 
 
 class Progress(Stateful):
@@ -104,12 +124,22 @@ class Progress(Stateful):
         self.step, self.scheduler = 0, scheduler
 
     def state_dict(self):
+        ### BEGIN SOLUTION: Progress.state_dict(): what a restart needs beyond the model and AdamW
+        ### HINT return a dict of what a restart needs that AppState does not hold: the steps done,
+        ### HINT and the state of whatever else changes as the run goes on (what does train() call
+        ### HINT every step besides the model and AdamW?). Ints, floats, lists, dicts: dcp.save
+        ### HINT writes them (a value that is not a DTensor is written once, by one rank).
         # the steps done (which say where the data is) and the schedule's position
         return {"step": self.step, "scheduler": self.scheduler.state_dict()}
+        ### END SOLUTION
 
     def load_state_dict(self, state):
+        ### BEGIN SOLUTION: Progress.load_state_dict(): put the steps done and the rest back
+        ### HINT the inverse of state_dict(): put back into self, and into what it holds, the values
+        ### HINT dcp.load read from the checkpoint (`state` has state_dict()'s keys).
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
+        ### END SOLUTION
 
 
 def train(model, optimizer, scheduler, loader, progress, save_to=None):
@@ -228,3 +258,20 @@ if not args.ckpt_dir and env.rank == 0:
 assert bit_identical and digest_equal, \
     f"the resume is not exact: {problem or 'the final model + AdamW state differs'}"
 teardown()
+
+### BEGIN SOLUTION
+# Answers to "Predict, then measure":
+# 1. Step --save-at + 2. AdamW's param_groups, in the checkpoint, carry the LR of step K + 1
+#    (the scheduler set it after step K), so step K + 1 is right; the restarted scheduler's first
+#    step() then sets the LR of ITS second step: step K + 2 runs at step 2's LR (the run's
+#    "same lr" column turns False there; tests/test_ch05_exercises.py pins that the defaults
+#    make the two differ).
+# 2. --save-at 4, 4 steps per epoch (64 sequences / 16): divmod(4, 4) = (1, 0), so the resume
+#    starts at epoch 1, batch 0, with epoch 1's shuffle; --save-at 8: epoch 2, batch 0.
+# 3. Anything random while training: dropout, random data augmentation or masking, sampling a
+#    token. This run has no dropout and its order comes from the sampler's seed and set_epoch,
+#    so a restart draws nothing at random.
+# 4. The data position itself: which shard (file) and the offset in it, or the tokens consumed
+#    per rank, saved with the checkpoint as a Stateful (e.g. torchdata's StatefulDataLoader),
+#    so a restart seeks there instead of reading and throwing away billions of tokens.
+### END SOLUTION

@@ -1,4 +1,5 @@
-"""Exercise 07.1 (starter): early stopping that every rank decides alike.
+# Yours to fill in. Generated from ../solutions/ex07_early_stop.py by `make exercises`.
+"""Exercise 07.1: early stopping that every rank decides alike.
 
     code/run_w_torchrun.sh 2 ch07_debugging/exercises/ex07_early_stop.py
 
@@ -15,8 +16,8 @@ one a single process computes.
 Fill in validation_loss(), replacing the todo(...) call with your code. Run the script at any
 time: it stops at the todo() while it is there (at the first validation, before any rank can
 stop), then prints each validation and checks that every rank stopped at the same step and that
-the loss is one process's. Solution: ../solutions/ex07_early_stop.py (the same lines: diff the
-two files).
+the loss is one process's; `make exercise EX=07.1` checks it at 2 and 3 ranks. Solution, with the
+answers to the questions below: ../solutions/ex07_early_stop.py.
 
 Predict, then measure:
 1. Delete only the todo() line, keeping the shard's own loss: which rank leaves the loop first,
@@ -112,11 +113,12 @@ def loss_sum_and_count(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def validation_loss(sums: torch.Tensor) -> float:
     """The validation loss that every rank compares with --target, from `sums`: this rank's
     [summed loss, samples] over its shard of the validation set. A collective."""
-    loss = mean(sums)  # this rank's shard alone: each rank decides on its own (the bug)
-    # TODO(you): the shards differ, so their losses fall below --target at different steps, and
-    # a rank that stops leaves the others waiting in their next gradient all_reduce. Make every
-    # rank compare the same number: all-reduce the two sums (dist.all_reduce, on a copy: the
-    # loop also reads them) and return the mean loss over the whole validation set.
+    loss = mean(sums)  # this rank's shard alone: if each rank decided on it (the bug), ...
+    # TODO(you): the shards differ, so their losses fall below --target at different steps, and a
+    # rank that stops leaves the others waiting in their next gradient all_reduce. Every rank must
+    # compare the same number: the mean loss over the whole validation set, the one a single process
+    # computes (what must be added up over the ranks so that 501 and 500 samples weigh alike?). The
+    # loop also reads `sums`: leave it as it is.
     todo("validation_loss(): the loss over every rank's shard, the same on every rank")
     return loss
 

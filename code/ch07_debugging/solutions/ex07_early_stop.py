@@ -1,6 +1,6 @@
-"""Exercise 07.1 solution: early stopping that every rank decides alike.
+"""Exercise 07.1: early stopping that every rank decides alike.
 
-    code/run_w_torchrun.sh 2 ch07_debugging/solutions/ex07_early_stop.py
+    code/run_w_torchrun.sh 2 ch07_debugging/exercises/ex07_early_stop.py
 
 A data-parallel training loop (each rank its own training batches, gradients averaged with one
 all_reduce per parameter) stops early once the validation loss falls below --target. Each rank
@@ -11,7 +11,23 @@ at another step than its neighbour; it leaves the loop while the other waits for
 gradient all_reduce, until the process group's timeout. The decision must be collective: add up
 the per-sample losses and the sample counts over the ranks (one all_reduce of the two sums), so
 every rank compares the same number with --target: the loss over the whole validation set, the
-one a single process computes. The starter is ../exercises/ex07_early_stop.py.
+one a single process computes.
+Fill in validation_loss(), replacing the todo(...) call with your code. Run the script at any
+time: it stops at the todo() while it is there (at the first validation, before any rank can
+stop), then prints each validation and checks that every rank stopped at the same step and that
+the loss is one process's; `make exercise EX=07.1` checks it at 2 and 3 ranks. Solution, with the
+answers to the questions below: ../solutions/ex07_early_stop.py.
+
+Predict, then measure:
+1. Delete only the todo() line, keeping the shard's own loss: which rank leaves the loop first,
+   at which step, and in which collective does each rank then wait? What ends the run, after
+   how long (--timeout), and what does each rank's error say?
+2. All-reduce the ranks' mean losses and divide by the world size: do the ranks still agree (no
+   hang)? Is it one process's loss, with shards of 501 and 500 samples? On 3 ranks?
+3. Let rank 0 alone decide, on the whole-set loss, and broadcast a 0/1 tensor: what does that
+   cost per validation against your all_reduce? And if rank 0 decided on its own shard?
+4. Shard the validation set like the training set (every world_size-th sample): do the
+   shards' losses agree now? Is the per-shard decision then safe, or only rarely wrong?
 """
 import argparse
 
@@ -21,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distkit import (print0, print_ranks, same_on_all_ranks, seed_everything, setup, teardown,
-                     write_json)
+                     todo, write_json)
 
 CLASSES, FEATURES, TRAIN, VAL = 4, 8, 4096, 1001  # VAL odd: shards of 501 and 500 on 2 ranks
 BATCH, LR, SEED = 32, 0.05, 0  # per rank per step; SGD
@@ -96,11 +112,20 @@ def loss_sum_and_count(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def validation_loss(sums: torch.Tensor) -> float:
     """The validation loss that every rank compares with --target, from `sums`: this rank's
     [summed loss, samples] over its shard of the validation set. A collective."""
-    # every rank must decide alike: the loss over every rank's shard, the same number everywhere
+    loss = mean(sums)  # this rank's shard alone: if each rank decided on it (the bug), ...
+    ### BEGIN SOLUTION: validation_loss(): the loss over every rank's shard, the same on every rank
+    ### HINT the shards differ, so their losses fall below --target at different steps, and a rank
+    ### HINT that stops leaves the others waiting in their next gradient all_reduce. Every rank must
+    ### HINT compare the same number: the mean loss over the whole validation set, the one a
+    ### HINT single process computes (what must be added up over the ranks so that 501 and 500
+    ### HINT samples weigh alike?). The loop also reads `sums`: leave it as it is.
+    # ... every rank decides alike: the loss over every rank's shard, the same number everywhere
     # (sums, not means: a mean of the ranks' means weighs 501 samples like 500)
     total = sums.clone()
     dist.all_reduce(total)
-    return mean(total)
+    loss = mean(total)
+    ### END SOLUTION
+    return loss
 
 
 history = []  # one entry per validation: step, the decision's loss, this rank's shard's loss
@@ -151,3 +176,21 @@ assert same_step and same_loss and same_weights, f"the ranks stopped at steps {s
 assert parity < LOSS_TOL, (f"the validation loss misses one process's by {parity:.1e}: are the "
                            f"summed losses and the counts all-reduced, not the ranks' means?")
 teardown()
+
+### BEGIN SOLUTION
+# Answers to "Predict, then measure" (measured on 2 CPU ranks, --timeout 10):
+# 1. Rank 0 (the easy classes) reaches --target first: it leaves the loop at step 20 and waits in
+#    the final all_gather_object, while rank 1 waits in step 21's gradient all_reduce. Neither
+#    collective can complete: both ranks fail at the process group's timeout with gloo's "Timed
+#    out waiting 10000ms" (about 17 s for the whole launch), each naming its own collective.
+# 2. They agree (the same number on every rank: no hang), but it is not one process's loss: a
+#    mean of means weighs 501 and 500 samples alike and misses it by 1.7e-4, far above the 1e-6
+#    tolerance; on 3 ranks (334, 334, 333 samples) it misses too, by another amount.
+# 3. Rank 0 needs the whole-set loss first (a reduce of the two sums), then a broadcast of the
+#    decision: two collectives per validation instead of one all_reduce of 2 numbers; both are a
+#    few bytes, so the cost is one more latency. Deciding on rank 0's own shard and broadcasting
+#    would not hang, but the run would stop on 1/N of the data: not one process's decision.
+# 4. No: interleaved shards are alike on average but still different samples, so their losses
+#    differ slightly. The per-shard decision is then wrong only rarely (when a validation loss
+#    falls between the shards' losses), and then it hangs: rarely wrong is still a hang.
+### END SOLUTION
