@@ -9,7 +9,8 @@ decoder layer and then at the root, can run training steps (forward, backward, A
 torch's FSDPMemTracker counts the bytes rank 0 would hold, by category: a 70B model on 64
 "ranks" in about a minute and half a GiB of RAM. The second step is the one measured: in the
 first, AdamW creates its state only at the end. Model states are read after its optimizer step;
-the peak is the moment of the step when the total was highest. By default float32 throughout, no
+the peak is the moment of the step when the total was highest. The step's collectives are
+logged too (distkit.comm.CollectiveLog: op, dtype, group, bytes), for chapter 08's speed model. By default float32 throughout, no
 activation checkpointing: the chapter's formulas with the fp32 AdamW recipe (4 + 4 + 8 bytes per
 parameter). Chapter 08 varies the rest: --precision bf16 (FSDP2's MixedPrecisionPolicy, bf16
 compute, fp32 gradient reduction), --ac none|selective|full, --attn eager|sdpa.
@@ -38,6 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from distkit import int_list
+from distkit.comm import CollectiveLog
 from distkit.memory import LLAMA_CONFIGS as MODELS  # Llama 3.2 1B, 3.1 8B and 70B, typed in
 from distkit.memory import sac_context_fn
 
@@ -135,7 +137,7 @@ def simulate(name: str, ranks: int) -> dict:
         optimizer.zero_grad()
         tracker = FSDPMemTracker(model, optimizer)
         tracker.track_inputs((tokens,))
-        with tracker:
+        with tracker, CollectiveLog() as log:  # the log also keeps every collective's bytes
             model(input_ids=tokens, labels=tokens).loss.backward()
             optimizer.step()
             after_step = tracker.get_tracker_snapshot("current")
@@ -144,12 +146,19 @@ def simulate(name: str, ranks: int) -> dict:
     num_params = sum(p.numel() for p in model.parameters())  # global sizes of the DTensors
     dist.destroy_process_group()
     (device,) = peak
+    collectives = {}  # (op, dtype, group size) -> [count, bytes]: FSDP's per step, TP's
+    for c in log.collectives:
+        key = f"{c.op} {c.dtype.removeprefix('torch.')} over {len(c.ranks)}"
+        collectives.setdefault(key, [0, 0])
+        collectives[key][0] += 1
+        collectives[key][1] += c.nbytes
     return {"model": name, "ranks": ranks, "num_params": num_params, "seq": args.seq,
             "batch": args.batch, "checkpoint": args.ac == "full", "ac": args.ac,
             "precision": args.precision, "attn": args.attn, "tp": args.tp,
             "seconds": time.time() - start,
             "after_step": {category(k): v for k, v in after_step[device].items()},
-            "peak": {category(k): v for k, v in peak[device].items()}}
+            "peak": {category(k): v for k, v in peak[device].items()},
+            "collectives": {k: {"count": n, "bytes": b} for k, (n, b) in collectives.items()}}
 
 
 results = []
