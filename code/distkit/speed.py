@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from distkit.memory import communication_bytes, flops_per_token, llama_parts
+from distkit.memory import communication_bytes, flops_per_token, llama_parts, llama_training_bytes
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,8 @@ def count_flops(config, seq: int, batch: int = 1, *, attn: str = "eager", ac: st
         with FakeTensorMode():
             model = LlamaForCausalLM(cfg)
             if ac == "full":
-                model.gradient_checkpointing_enable({"use_reentrant": False})
+                model.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs={"use_reentrant": False})
             model.train()
             tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
             with fc.FlopCounterMode(display=False) as counter:
@@ -142,17 +143,19 @@ def hardware_flops(config, seq: int, batch: int = 1, *, ac: str = "none") -> dic
 
 
 def step_time(config, *, gpu: GPU, link: float, gpus: int, seq: int, batch: int,
-              ac: str = "none", tp: int = 1, eff: float = EFF[1]) -> dict:
+              ac: str = "none", tp: int = 1, eff: float = EFF[1], extra_flops: float = 0) -> dict:
     """Seconds of one step on `gpus` GPUs (FSDP over gpus / tp, tensor parallel over tp within
     a node), each data-parallel group on `batch` sequences of `seq` tokens; and what follows:
     tokens/s per GPU, MFU. Bandwidths: NVLink when every FSDP rank sits in one node, else the
-    `link` between nodes (a ring across nodes runs at the per-GPU NIC's speed)."""
+    `link` between nodes (a ring across nodes runs at the per-GPU NIC's speed). `extra_flops`:
+    hardware FLOPs per data-parallel rank the model does not know of (e.g. torchtitan's
+    selective checkpointing recomputing every second matmul)."""
     if tp > GPUS_PER_NODE or gpus % tp:
         raise ValueError(f"tp {tp}: at most {GPUS_PER_NODE} (one node), dividing {gpus} GPUs")
     dp = gpus // tp
     c = SimpleNamespace(**config)
     flops = hardware_flops(config, seq, batch, ac=ac)
-    compute = flops["hardware"] / tp / (eff * gpu.peak)
+    compute = (flops["hardware"] + extra_flops) / tp / (eff * gpu.peak)
     parts = llama_parts(config)
     params = c.num_hidden_layers * parts["layer"] / tp + parts["root"]
     fsdp_bytes = communication_bytes(params, dp, 3, param_bytes=2, reduce_bytes=4,
@@ -174,6 +177,20 @@ def step_time(config, *, gpu: GPU, link: float, gpus: int, seq: int, batch: int,
             "fsdp exposed s": exposed, "tp comm s": tp_time, "fsdp bytes": fsdp_bytes,
             "tp bytes": tp_bytes, "tokens/s/GPU": tps,
             "mfu": flops_per_token(config, seq) * tps / gpu.peak, "hardware flops": flops}
+
+
+def peak_bytes(config, *, gpus: int, seq: int, batch: int = 1, tp: int = 1, ac: str = "full",
+               attn: str = "sdpa") -> float:
+    """Bytes one GPU needs at the step's peak for planning: `llama_training_bytes` (bf16 FSDP2
+    over gpus / tp ranks, tensor parallel over tp) plus CUDA AdamW's foreach temporary, one fp32
+    value per sharded parameter (the CPU simulation takes the single-tensor path and cannot see
+    it). Not counted: the CUDA context and the caching allocator's cached and fragmented blocks
+    (compare with a fraction of the GPU's memory)."""
+    parts = llama_parts(config)
+    dp = gpus // tp
+    m = llama_training_bytes(config, ranks=dp, seq=seq, batch=batch, precision="bf16",
+                             attn=attn, ac=ac, tensor_parallel=tp)
+    return m["Total"] + 4 * (config["num_hidden_layers"] * parts["layer"] / tp + parts["root"]) / dp
 
 
 def days(total_tokens: float, tokens_per_s_per_gpu: float, gpus: int) -> float:
