@@ -8,7 +8,7 @@ exercise = pytest.importorskip("distkit.exercise")  # the checker (make exercise
 def test_fewest_gpus_solution_passes_and_a_wrong_search_fails(tmp_path):
     runs = exercise.check_at_once({
         "solution": ("08.1", None),
-        "tp 8 only": ("08.1", ("for tp in TP_DEGREES:", "        for tp in (8,):")),
+        "tp 8 only": ("08.1", ("for tp in TP_DEGREES:", "for tp in (8,):")),
     }, tmp_path, nprocs=(1,))
     ok, lines, _ = runs["solution"]
     assert ok, lines
