@@ -10,10 +10,11 @@ torch's FSDPMemTracker counts the bytes rank 0 would hold, by category: a 70B mo
 "ranks" in about a minute and half a GiB of RAM. The second step is the one measured: in the
 first, AdamW creates its state only at the end. Model states are read after its optimizer step;
 the peak is the moment of the step when the total was highest. The step's collectives are
-logged too (distkit.comm.CollectiveLog: op, dtype, group, bytes), for chapter 08's speed model. By default float32 throughout, no
-activation checkpointing: the chapter's formulas with the fp32 AdamW recipe (4 + 4 + 8 bytes per
-parameter). Chapter 08 varies the rest: --precision bf16 (FSDP2's MixedPrecisionPolicy, bf16
-compute, fp32 gradient reduction), --ac none|selective|full, --attn eager|sdpa.
+logged too (distkit.comm.CollectiveLog: op, dtype, group, bytes), for chapter 08's speed
+model. By default float32 throughout, no activation checkpointing: the chapter's formulas with
+the fp32 AdamW recipe (4 + 4 + 8 bytes per parameter). Chapter 08 varies the rest: --precision
+bf16 (FSDP2's MixedPrecisionPolicy, bf16 compute, fp32 gradient reduction), --ac
+none|selective|full, --attn eager|sdpa.
 
 What it cannot see (printed with every result): it runs torch's CPU code paths. AdamW takes its
 single-tensor path on CPU, so the CUDA foreach path's temporaries (about 4 bytes per sharded

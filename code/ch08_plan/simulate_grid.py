@@ -1,7 +1,8 @@
 """Chapter 08: chapter 03's FSDP2 simulation over a grid of settings, in one JSON.
 
     PYTHONPATH=code python code/ch08_plan/simulate_grid.py --points 1b:8,8b:8 \
-        --precisions bf16,fp32 --ac full,selective,none --json code/ch03_zero/results/simulate_grid.json
+        --precisions bf16,fp32 --ac full,selective,none \
+        --json code/ch03_zero/results/simulate_grid.json
 
 simulate_fsdp.py takes one precision, checkpointing mode, attention and sequence per run; this
 runs it once per combination (one process each, one after the other: a run holds rank 0's

@@ -18,7 +18,8 @@ def check_fewest_gpus(run):
             f"{model} at {seq}: no answer, yet some setting fits"
         gpus, tp, ac = answer
         peak = peak_bytes(config, gpus=gpus, seq=seq, tp=tp, ac=ac)
-        yield gpus % tp == 0 and peak <= budget, f"{model} at {seq}: {gpus} GPUs, tp {tp}, {ac} fits", \
+        yield gpus % tp == 0 and peak <= budget, \
+            f"{model} at {seq}: {gpus} GPUs, tp {tp}, {ac} fits", \
             f"{model} at {seq}: {gpus} GPUs, tp {tp}, {ac} needs {peak / GiB:.1f} GiB > {gib:.1f}"
         fewer = [(t, a) for t in (1, 2, 4, 8) for a in ("none", "selective", "full")
                  if gpus > 8 and (gpus - 8) % t == 0

@@ -72,8 +72,8 @@ def count_flops(config, seq: int, batch: int = 1, *, attn: str = "eager", ac: st
     Attention runs as "eager" (its two matmuls visible to the counter, over the whole s x s, as
     the convention counts) and, for hardware FLOPs, as "sdpa": torch counts no CPU flash kernel,
     so this gives the CPU operators torch's formulas for the CUDA flash kernel (sdpa_flop,
-    sdpa_backward_flop: the backward recomputes the scores, 2.5x the forward). `ac` "full" reruns each
-    layer's forward in the backward, which the counter sees.
+    sdpa_backward_flop: the backward recomputes the scores, 2.5x the forward). `ac` "full"
+    reruns each layer's forward in the backward, which the counter sees.
     """
     import warnings
 

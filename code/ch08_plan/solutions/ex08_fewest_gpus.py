@@ -37,8 +37,10 @@ def fewest_gpus(config, seq: int, budget: float, per_node: int = 8, max_gpus: in
     ### HINT large and, for each, the preferred settings first; tp must divide the GPU count.
     for gpus in range(per_node, max_gpus + 1, per_node):
         for tp in TP_DEGREES:
+            if gpus % tp:
+                continue
             for ac in CHECKPOINTING:
-                if gpus % tp == 0 and peak_bytes(config, gpus=gpus, seq=seq, tp=tp, ac=ac) <= budget:
+                if peak_bytes(config, gpus=gpus, seq=seq, tp=tp, ac=ac) <= budget:
                     return gpus, tp, ac
     return None
     ### END SOLUTION
