@@ -138,7 +138,7 @@ def simulate(name: str, ranks: int) -> dict:
         optimizer.zero_grad()
         tracker = FSDPMemTracker(model, optimizer)
         tracker.track_inputs((tokens,))
-        with tracker, CollectiveLog() as log:  # the log also keeps every collective's bytes
+        with tracker:
             model(input_ids=tokens, labels=tokens).loss.backward()
             optimizer.step()
             after_step = tracker.get_tracker_snapshot("current")
@@ -147,19 +147,27 @@ def simulate(name: str, ranks: int) -> dict:
     num_params = sum(p.numel() for p in model.parameters())  # global sizes of the DTensors
     dist.destroy_process_group()
     (device,) = peak
-    collectives = {}  # (op, dtype, group size) -> [count, bytes]: FSDP's per step, TP's
-    for c in log.collectives:
-        key = f"{c.op} {c.dtype.removeprefix('torch.')} over {len(c.ranks)}"
-        collectives.setdefault(key, [0, 0])
-        collectives[key][0] += 1
-        collectives[key][1] += c.nbytes
     return {"model": name, "ranks": ranks, "num_params": num_params, "seq": args.seq,
             "batch": args.batch, "checkpoint": args.ac == "full", "ac": args.ac,
             "precision": args.precision, "attn": args.attn, "tp": args.tp,
             "seconds": time.time() - start,
             "after_step": {category(k): v for k, v in after_step[device].items()},
-            "peak": {category(k): v for k, v in peak[device].items()},
-            "collectives": {k: {"count": n, "bytes": b} for k, (n, b) in collectives.items()}}
+            "peak": {category(k): v for k, v in peak[device].items()}}
+
+
+def last_step(collectives) -> dict:
+    """The measured step's collectives, from a log of both steps (and a 2-D mesh's set-up): the
+    longest tail that repeats the stretch just before it (the two steps are the same step).
+    By (op, dtype, group size): count and bytes."""
+    key = [(c.op, c.dtype.removeprefix("torch."), len(c.ranks), c.nbytes) for c in collectives]
+    n = len(key)
+    k = next(k for k in range(n // 2, -1, -1) if key[n - 2 * k:n - k] == key[n - k:])
+    out = {}
+    for op, dtype, size, nbytes in key[n - k:]:
+        c = out.setdefault(f"{op} {dtype} over {size}", {"count": 0, "bytes": 0})
+        c["count"] += 1
+        c["bytes"] += nbytes
+    return out
 
 
 results = []
@@ -167,7 +175,9 @@ print(f"{'model':5s} {'ranks':>5s} {'params':>7s} {'states GiB':>10s} {'peak GiB
       f"{'seconds':>7s}  (rank 0, fp32 AdamW, {args.precision}, checkpointing {args.ac}, "
       f"{args.attn}, seq x batch = {args.seq} x {args.batch})")
 for name, ranks in points:
-    r = simulate(name, ranks)
+    with CollectiveLog() as log:  # FSDP2's collectives, read off the simulated steps
+        r = simulate(name, ranks)
+    r["collectives"] = last_step(log.collectives)
     results.append(r)
     states = sum(r["after_step"].get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState"))
     print(f"{name:5s} {ranks:5d} {r['num_params'] / 1e9:6.2f}B {states / 2**30:10.2f} "
