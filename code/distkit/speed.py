@@ -160,7 +160,7 @@ def step_time(config, *, gpu: GPU, link: float, gpus: int, seq: int, batch: int,
     params = c.num_hidden_layers * parts["layer"] / tp + parts["root"]
     fsdp_bytes = communication_bytes(params, dp, 3, param_bytes=2, reduce_bytes=4,
                                      gathered_once=parts["root"]) if dp > 1 else 0
-    fsdp_bw = gpu.nvlink if gpus <= GPUS_PER_NODE or tp == 1 and dp <= GPUS_PER_NODE else link
+    fsdp_bw = gpu.nvlink if gpus <= GPUS_PER_NODE else link  # else its ring crosses nodes
     fsdp = fsdp_bytes / fsdp_bw
     # one layer's gather before the first compute and one reduce-scatter after the last
     exposed = max(0.0, fsdp - compute) + fsdp / c.num_hidden_layers
