@@ -127,21 +127,3 @@ def test_calculator_within_10_percent_of_every_committed_simulation(path):
         r.setdefault("command", sweep["command"])
         check_calculator_against(r)
 
-
-def test_two_grid_points_rerun_to_the_same_bytes(tmp_path):
-    """One bf16 with selective checkpointing, one fp32 with full: simulated again, at once."""
-    points = {"bf16-selective": ["--precision", "bf16", "--ac", "selective"],
-              "fp32-full": ["--precision", "fp32", "--ac", "full"]}
-    runs = run_scripts_at_once({name: (SIM, ["--points", "1b:8", *flags, "--json",
-                                             tmp_path / f"{name}.json"], {})
-                                for name, flags in points.items()})
-    grid = json.loads(GRID.read_text())["results"]
-    for name, flags in points.items():
-        status, out, err = runs[name]
-        assert status == 0, err
-        assert "limits: CPU code paths" in out
-        (fresh,) = json.loads((tmp_path / f"{name}.json").read_text())["results"]
-        committed = next(r for r in grid if (r["model"], r["ranks"], r["precision"], r["ac"])
-                         == ("1b", 8, flags[1], flags[3]))
-        assert fresh["peak"] == committed["peak"] and fresh["after_step"] == committed["after_step"]
-        check_calculator_against({**fresh, "command": name})

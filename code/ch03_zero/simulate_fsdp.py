@@ -9,10 +9,12 @@ decoder layer and then at the root, can run training steps (forward, backward, A
 torch's FSDPMemTracker counts the bytes rank 0 would hold, by category: a 70B model on 64
 "ranks" in about a minute and half a GiB of RAM. The second step is the one measured: in the
 first, AdamW creates its state only at the end. Model states are read after its optimizer step;
-the peak is the moment of the step when the total was highest. By default float32 throughout, no
-activation checkpointing: the chapter's formulas with the fp32 AdamW recipe (4 + 4 + 8 bytes per
-parameter). Chapter 08 varies the rest: --precision bf16 (FSDP2's MixedPrecisionPolicy, bf16
-compute, fp32 gradient reduction), --ac none|selective|full, --attn eager|sdpa.
+the peak is the moment of the step when the total was highest. The step's collectives are
+logged too (distkit.comm.CollectiveLog: op, dtype, group, bytes), for chapter 08's speed
+model. By default float32 throughout, no activation checkpointing: the chapter's formulas with
+the fp32 AdamW recipe (4 + 4 + 8 bytes per parameter). Chapter 08 varies the rest: --precision
+bf16 (FSDP2's MixedPrecisionPolicy, bf16 compute, fp32 gradient reduction), --ac
+none|selective|full, --attn eager|sdpa.
 
 What it cannot see (printed with every result): it runs torch's CPU code paths. AdamW takes its
 single-tensor path on CPU, so the CUDA foreach path's temporaries (about 4 bytes per sharded
@@ -38,6 +40,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from distkit import int_list
+from distkit.comm import CollectiveLog
 from distkit.memory import LLAMA_CONFIGS as MODELS  # Llama 3.2 1B, 3.1 8B and 70B, typed in
 from distkit.memory import sac_context_fn
 
@@ -152,12 +155,29 @@ def simulate(name: str, ranks: int) -> dict:
             "peak": {category(k): v for k, v in peak[device].items()}}
 
 
+def last_step(collectives) -> dict:
+    """The measured step's collectives, from a log of both steps (and a 2-D mesh's set-up): the
+    longest tail that repeats the stretch just before it (the two steps are the same step).
+    By (op, dtype, group size): count and bytes."""
+    key = [(c.op, c.dtype.removeprefix("torch."), len(c.ranks), c.nbytes) for c in collectives]
+    n = len(key)
+    k = next(k for k in range(n // 2, -1, -1) if key[n - 2 * k:n - k] == key[n - k:])
+    out = {}
+    for op, dtype, size, nbytes in key[n - k:]:
+        c = out.setdefault(f"{op} {dtype} over {size}", {"count": 0, "bytes": 0})
+        c["count"] += 1
+        c["bytes"] += nbytes
+    return out
+
+
 results = []
 print(f"{'model':5s} {'ranks':>5s} {'params':>7s} {'states GiB':>10s} {'peak GiB':>8s} "
       f"{'seconds':>7s}  (rank 0, fp32 AdamW, {args.precision}, checkpointing {args.ac}, "
       f"{args.attn}, seq x batch = {args.seq} x {args.batch})")
 for name, ranks in points:
-    r = simulate(name, ranks)
+    with CollectiveLog() as log:  # FSDP2's collectives, read off the simulated steps
+        r = simulate(name, ranks)
+    r["collectives"] = last_step(log.collectives)
     results.append(r)
     states = sum(r["after_step"].get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState"))
     print(f"{name:5s} {ranks:5d} {r['num_params'] / 1e9:6.2f}B {states / 2**30:10.2f} "

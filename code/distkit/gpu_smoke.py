@@ -93,6 +93,10 @@ RUNS = [
     Run("ch07 comm hooks", 2, "ch07_debugging/comm_hooks.py", ("--steps", "4")),
     Run("ch07 CUDA OOM", 1, "ch07_debugging/oom.py", ("--json", "{out}/oom.json"),
         expect="oom.json", torchrun=False),
+    # chapter 08's prediction against one real FSDP2 step of Llama 3.2 1B (one GPU)
+    Run("ch08 one real step vs the plan", 1, "ch08_plan/gpu_step.py",
+        ("--seq", "2048", "--batch", "2", "--ac", "full", "--steps", "3", "--json",
+         "{out}/step.json"), expect="step.json", torchrun=False),
 ]
 
 

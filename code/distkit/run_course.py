@@ -45,6 +45,7 @@ FAST = {
     "05_distributed_checkpoint.ipynb": {"EPOCHS": 1, "SAVE_EVERY": 3, "CRASH_STEP": 7},
     "06_capstone_llama_fsdp2.ipynb": {},
     "07_when_things_go_wrong.ipynb": {"TIMEOUT": 2, "LIMIT": 60},
+    "08_plan_a_run.ipynb": {},  # already about 20 s: its grid is stored, one point simulated live
 }
 
 

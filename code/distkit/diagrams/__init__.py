@@ -1,6 +1,6 @@
 """The course's explanatory diagrams, drawn in code: one function per picture in images/.
 
-One module per chapter (ch00_collectives.py ... ch07_debugging.py; chapter 02 has two), each
+One module per chapter (ch00_collectives.py ... ch08_plan.py; chapter 02 has two), each
 drawing its chapter's pictures with the primitives of shapes.py. Each function returns a
 matplotlib Figure; `DIAGRAMS` maps an image name to its function, and `main()` saves them as
 `images/<name>.png`. To fix a diagram, edit its function and redraw (from the repo root;
@@ -21,12 +21,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from distkit.diagrams import (ch00_collectives, ch01_ddp, ch02_pipeline, ch02_tensor, ch03_zero,
-                              ch04_fsdp2, ch05_checkpoint, ch06_capstone, ch07_debugging)
+                              ch04_fsdp2, ch05_checkpoint, ch06_capstone, ch07_debugging,
+                              ch08_plan)
 
 IMAGES = Path(__file__).resolve().parents[3] / "images"
 DPI = 110
 CHAPTER_MODULES = (ch00_collectives, ch01_ddp, ch02_pipeline, ch02_tensor, ch03_zero, ch04_fsdp2,
-                   ch05_checkpoint, ch06_capstone, ch07_debugging)
+                   ch05_checkpoint, ch06_capstone, ch07_debugging, ch08_plan)
 DIAGRAMS = {draw.__name__: draw for module in CHAPTER_MODULES for draw in module.DIAGRAMS}
 # "ch02" -> the names of chapter 02's diagrams (from the module names: chNN_topic)
 CHAPTERS: dict[str, list[str]] = {}

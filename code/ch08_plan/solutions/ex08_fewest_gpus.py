@@ -1,0 +1,75 @@
+"""Exercise 08.1: the fewest GPUs that train a Llama at a sequence length, and with which settings.
+
+    PYTHONPATH=code python code/ch08_plan/exercises/ex08_fewest_gpus.py --model 70b --seq 8192
+
+Solution: ../solutions/ex08_fewest_gpus.py
+
+Notebook 08's question 1 as a function you can point at your own model and GPU: search whole
+nodes of GPUs, tensor-parallel degrees inside a node and checkpointing modes for the smallest
+GPU count whose predicted peak (distkit.speed.peak_bytes: llama_training_bytes plus CUDA
+AdamW's foreach temporary) fits the budget. Among settings with the same count, prefer less
+tensor parallelism (its all-reduces sit in every layer's critical path), then less recomputation
+(none, selective, full: each costs compute).
+
+Predict, then measure:
+1. 70B at 8,192 tokens on 80 GB GPUs (budget 0.9 x 79.6 GiB): how many GPUs, which settings?
+2. The same on 141 GB H200s (--gpu-gib 131): fewer GPUs, and is full checkpointing still needed?
+3. 8B at 32,768 tokens: which term of the peak decides, model states or activations?
+"""
+import argparse
+import json
+
+from distkit import todo
+from distkit.memory import LLAMA_CONFIGS
+from distkit.speed import peak_bytes
+
+GiB = 2**30
+TP_DEGREES = (1, 2, 4, 8)                 # inside one node of 8
+CHECKPOINTING = ("none", "selective", "full")  # in order of recomputation
+
+
+def fewest_gpus(config, seq: int, budget: float, per_node: int = 8, max_gpus: int = 4096):
+    """(gpus, tp, ac) for the smallest multiple of `per_node` GPUs, up to max_gpus, on which
+    some tp in TP_DEGREES and ac in CHECKPOINTING keep peak_bytes within `budget` bytes (ties:
+    the smaller tp, then the earlier ac); None when nothing fits."""
+    ### BEGIN SOLUTION: search GPU counts, tensor-parallel degrees and checkpointing modes
+    ### HINT The answer is the first setting that fits when you try GPU counts from small to
+    ### HINT large and, for each, the preferred settings first; tp must divide the GPU count.
+    for gpus in range(per_node, max_gpus + 1, per_node):
+        for tp in TP_DEGREES:
+            if gpus % tp:
+                continue
+            for ac in CHECKPOINTING:
+                if peak_bytes(config, gpus=gpus, seq=seq, tp=tp, ac=ac) <= budget:
+                    return gpus, tp, ac
+    return None
+    ### END SOLUTION
+
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--model", choices=sorted(LLAMA_CONFIGS), default="70b")
+parser.add_argument("--seq", type=int, default=8192, help="tokens per sequence (one per GPU)")
+parser.add_argument("--gpu-gib", type=float, default=0.9 * 79.6,
+                    help="GiB a GPU may fill (default: 0.9 of an 80 GB H100's 79.6)")
+parser.add_argument("--json", help="write the answer here")
+args = parser.parse_args()
+if args.seq < 2 or args.gpu_gib <= 0:
+    parser.error("need --seq >= 2 and --gpu-gib > 0")
+config = LLAMA_CONFIGS[args.model]
+answer = fewest_gpus(config, args.seq, args.gpu_gib * GiB)
+if answer is None:
+    print(f"{args.model} at {args.seq} tokens fits no setting up to 4096 GPUs")
+else:
+    gpus, tp, ac = answer
+    peak = peak_bytes(config, gpus=gpus, seq=args.seq, tp=tp, ac=ac)
+    print(f"{args.model} at {args.seq} tokens: {gpus} GPUs, tensor parallel {tp}, "
+          f"checkpointing {ac}: {peak / GiB:.1f} GiB of {args.gpu_gib:.1f} per GPU")
+if args.json:
+    with open(args.json, "w") as f:
+        json.dump({"model": args.model, "seq": args.seq, "budget_gib": args.gpu_gib,
+                   "answer": answer}, f)
+### BEGIN SOLUTION
+# Answers: 1. 24 GPUs, tp 1, full checkpointing, at the edge of the budget (notebook 08,
+# question 1). 2. 16 H200s, still with full checkpointing. 3. run it;
+# question 3's answer is in the printed peak: at 32,768 tokens the logits alone are 16 GiB.
+### END SOLUTION
