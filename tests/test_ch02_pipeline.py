@@ -194,3 +194,8 @@ def check_results(out, n: int, layers: int) -> None:
         assert all(plan[f"max_{what}_diff"] < tol for what, tol in tp["tolerances"].items()), name
     meg = tp["plans"]["megatron"]
     assert meg["forward"] == meg["backward"] == {"all_reduce": 2 * layers}
+    # the vocab plan adds the head's input gradient to backward, and splits embedding and head
+    assert tp["plans"]["vocab"]["backward"] == {"all_reduce": 2 * layers + 1}
+    embed_head = 2 * tp["vocab"] * tp["hidden"] * 4
+    assert tp["param_bytes_per_rank"] - tp["plans"]["vocab"]["param_bytes"] == \
+        embed_head - embed_head // n
