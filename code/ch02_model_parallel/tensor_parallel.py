@@ -6,12 +6,12 @@ and every collective counted.
 Every rank builds the same model (same seed) and keeps an unsharded copy as the reference. Each
 plan shards a fresh copy as Megatron-LM does: attention's q, k, v by heads and o by its input;
 the MLP's gate, up by output features and down by its input. Embedding, norms and lm_head stay
-whole on every rank, except in the vocab plan. One training step on the same batch must give the reference's loss,
-logits, gradients and AdamW-updated weights; the collectives are counted in forward and in
-backward. Plans: naive (Colwise/RowwiseParallel on the linears only), megatron (+ one shared
-input per block), sequence (+ sequence parallelism between the blocks, as in torchtitan),
-vocab (megatron + the embedding and the LM head split over the vocabulary, and the loss computed
-on the sharded logits under loss_parallel(), as in torchtitan).
+whole on every rank, except in the vocab plan. One training step on the same batch must give the
+reference's loss, logits, gradients and AdamW-updated weights; the collectives are counted in
+forward and in backward. Plans: naive (Colwise/RowwiseParallel on the linears only), megatron
+(+ one shared input per block), sequence (+ sequence parallelism between the blocks, as in
+torchtitan), vocab (megatron + the embedding and the LM head split over the vocabulary, and the
+loss computed on the sharded logits under loss_parallel(), as in torchtitan).
 """
 import argparse
 import contextlib
@@ -149,7 +149,8 @@ for plan in plans:
                        dtype=torch.float64, device=env.device)  # NCCL reduces only GPU tensors
     dist.all_reduce(err, op=dist.ReduceOp.MAX)  # the worst rank's
     ok = [e < b for e, b in zip(err.tolist(), bounds)]
-    results[plan] = {"param_bytes": sum(local(p).nbytes for p in model.parameters()),"forward": fwd.counts(), "backward": bwd.counts(),
+    results[plan] = {"param_bytes": sum(local(p).nbytes for p in model.parameters()),
+                     "forward": fwd.counts(), "backward": bwd.counts(),
                      "forward_bytes": fwd.bytes, "backward_bytes": bwd.bytes,
                      "forward_ring_bytes": fwd.ring_bytes, "backward_ring_bytes": bwd.ring_bytes,
                      **{f"max_{n}_diff": e for n, e in zip(names, err.tolist())},
