@@ -36,7 +36,7 @@ CONFIGS = {  # name: what differs from "fsdp2" (fully_shard per decoder layer, t
     "ddp": "DDP, the baseline: everything replicated",
     "fsdp2": "fully_shard per decoder layer, then the root (defaults)",
     "root-only": "fully_shard(model) alone: one unit, the whole model gathered at once",
-    "split-root": "the embedding and [final norm, LM head] get units of their own (torchtitan)",
+    "split-root": "the embedding and the LM head get units of their own (as torchtitan)",
     "no-reshard": "reshard_after_forward=False: keep gathered parameters until backward",
     "reshard-root": "reshard_after_forward=True on the root too",
     "bf16": "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
@@ -44,7 +44,7 @@ CONFIGS = {  # name: what differs from "fsdp2" (fully_shard per decoder layer, t
     "prefetch": "explicit forward prefetching: each layer's pre-forward gathers the next layer",
     "checkpoint": "activation checkpointing of every decoder layer, then fully_shard",
     "accumulate": "2 micro-batches per step, gradients reduced on the last only",
-    "accumulate-kept": "accumulate, the layers kept gathered from the first forward to the last backward",
+    "accumulate-kept": "accumulate, layers kept gathered from first forward to last backward",
     "clip": "clip_grad_norm_(max_norm=0.1) on DTensor gradients",
     "offload": "CPUOffloadPolicy: shards, gradients and AdamW on the CPU (GPU only)",
 }
@@ -71,7 +71,8 @@ if int(os.environ.get("WORLD_SIZE", 1)) * args.batch_size > 256:
 # torch warn that such hooks may not fire, and FSDP2 that the root returns a view. Not ours.
 warnings.filterwarnings("ignore", message="(For backward hooks|Full backward hook|FSDP2-wrapped)")
 LR, MAX_NORM = 1e-3, 0.1
-WATCHED = {"embedding": "model.embed_tokens", "RMSNorm": "model.layers.0.input_layernorm",
+WATCHED = {"embedding": "model.embed_tokens",  # modules whose output dtype bf16 configs record
+           "RMSNorm": "model.layers.0.input_layernorm",
            "decoder layer (residual stream)": "model.layers.0", "logits": "lm_head"}
 
 
@@ -95,8 +96,8 @@ def wrap(config: str, model):
               offload_policy=CPUOffloadPolicy() if config == "offload" else OffloadPolicy())
     if config != "root-only":
         for i, layer in enumerate(layers):
-            # keep-last (torchtitan's earlier heuristic): backward starts with the last layer, so resharding
-            # it after its forward only to gather it again at once is a wasted all-gather
+            # keep-last (torchtitan's earlier heuristic): backward starts with the last layer, so
+            # resharding it after its forward only to gather it again at once is a wasted all-gather
             keep = config in ("no-reshard", "accumulate-kept") or (
                 config == "keep-last" and i == len(layers) - 1)
             fully_shard(layer, reshard_after_forward=not keep, **kw)
@@ -152,7 +153,8 @@ def output_dtypes(model):
             out = out[0] if isinstance(out, tuple) else out
             seen.setdefault(name, str(out.dtype).removeprefix("torch."))
         return hook
-    hooks = [model.get_submodule(path).register_forward_hook(note(name))
+    inner = model.module if isinstance(model, DDP) else model
+    hooks = [inner.get_submodule(path).register_forward_hook(note(name))
              for name, path in WATCHED.items()]
     try:
         yield seen
@@ -195,10 +197,13 @@ def run(config: str) -> dict:
             losses.append(train_step(config, model, optimizer, mine))
             times.append(time.perf_counter() - start)
     # gradients at rest: zero_grad(set_to_none) dropped them; one more backward brings them back
-    with output_dtypes(model) as dtypes:
+    # (bf16: noting the dtype of some modules' outputs on the way)
+    watch = output_dtypes(model) if config == "bf16" else contextlib.nullcontext({})
+    with watch as dtypes:
         loss = model(input_ids=mine, labels=mine).loss
         loss.backward()
-    dtypes["loss"] = str(loss.dtype).removeprefix("torch.")
+    if config == "bf16":  # (the bf16 run against autocast: section 3)
+        dtypes["loss"] = str(loss.dtype).removeprefix("torch.")
     at_rest = held(model, optimizer)
     optimizer.zero_grad()
     return {"losses": losses, "step_s": times, "held": at_rest, "peak": peak, "dtypes": dtypes,
@@ -251,7 +256,8 @@ del demo, w
 # Autocast, for contrast with MixedPrecisionPolicy: op by op, on fp32 parameters
 with output_dtypes(full) as autocast_dtypes, torch.no_grad(), \
         torch.autocast(env.device.type, dtype=torch.bfloat16):
-    autocast_dtypes["loss"] = str(full(input_ids=mine, labels=mine).loss.dtype).removeprefix("torch.")
+    loss = full(input_ids=mine, labels=mine).loss
+    autocast_dtypes["loss"] = str(loss.dtype).removeprefix("torch.")
 single, _ = reference(clip=False)
 single_clip, ref_norms = reference(clip=True)
 results, norms = {}, []
