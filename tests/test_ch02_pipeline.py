@@ -144,7 +144,8 @@ def test_notebook_rejects_bad_parameters(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "papermill", "notebooks/02_model_parallelism.ipynb",
                            str(tmp_path / "out.ipynb"), "-p", "NPROC", "3"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "LAYERS=2 must divide by NPROC=3" in proc.stderr + proc.stdout
+    assert proc.returncode != 0 and "NPROC must divide the tiny Llama's 4 attention heads" in \
+        proc.stderr + proc.stdout
 
 
 @pytest.mark.second_nproc
@@ -193,3 +194,8 @@ def check_results(out, n: int, layers: int) -> None:
         assert all(plan[f"max_{what}_diff"] < tol for what, tol in tp["tolerances"].items()), name
     meg = tp["plans"]["megatron"]
     assert meg["forward"] == meg["backward"] == {"all_reduce": 2 * layers}
+    # the vocab plan adds the head's input gradient to backward, and splits embedding and head
+    assert tp["plans"]["vocab"]["backward"] == {"all_reduce": 2 * layers + 1}
+    embed_head = 2 * tp["vocab"] * tp["hidden"] * 4
+    assert tp["param_bytes_per_rank"] - tp["plans"]["vocab"]["param_bytes"] == \
+        embed_head - embed_head // n

@@ -122,13 +122,22 @@ for (name, m, split), reps in runs.items():
     # The fastest step: the one the rest of the machine disturbed least (noise only adds time,
     # as timeit's docs say of taking the minimum). Its spans are the timeline to draw.
     best = min(reps, key=lambda r: r["step_s"])
-    theory = (world - 1) / (m + world - 1)
+    # The formula's idle share per stage, with a stage's time per micro-batch T proportional to
+    # its layers: the step lasts m T_max (the slowest stage works all the time) plus the other
+    # stages' fill and drain (the sum of their T), and stage r computes m T_r of it. An even
+    # split gives (p-1)/(m+p-1) on every stage.
+    span = m * max(split) + sum(split) - max(split)
+    theory_stages = [1 - m * t / span for t in split]
+    theory = (world - 1) / (m + world - 1) if len(set(split)) == 1 else \
+        statistics.mean(theory_stages)
     results.append({"schedule": name, "m": m, "split": list(split), "idle": best["idle"],
                     "idle_mean": statistics.mean(best["idle"]), "theory": theory,
+                    "theory_stages": theory_stages,
                     "step_s": best["step_s"], "spans": best["spans"],
                     "step_s_all": [r["step_s"] for r in reps]})
     print0(f"{name:5s} m={m}  split {'+'.join(map(str, split))}  idle "
-           + " ".join(f"{x:.2f}" for x in best["idle"]) + f"  (theory {theory:.2f})")
+           + " ".join(f"{x:.2f}" for x in best["idle"])
+           + "  (theory " + " ".join(f"{x:.2f}" for x in theory_stages) + ")")
 
 # Peak activation memory per stage: what autograd keeps for backward, during one step of each
 # schedule at the largest m; and for one micro-batch alone (m=1, GPipe = no pipelining).

@@ -6,12 +6,15 @@ and every collective counted.
 Every rank builds the same model (same seed) and keeps an unsharded copy as the reference. Each
 plan shards a fresh copy as Megatron-LM does: attention's q, k, v by heads and o by its input;
 the MLP's gate, up by output features and down by its input. Embedding, norms and lm_head stay
-whole on every rank. One training step on the same batch must give the reference's loss,
-logits, gradients and AdamW-updated weights; the collectives are counted in forward and in
-backward. Plans: naive (Colwise/RowwiseParallel on the linears only), megatron (+ one shared
-input per block), sequence (+ sequence parallelism between the blocks, as in torchtitan).
+whole on every rank, except in the vocab plan. One training step on the same batch must give the
+reference's loss, logits, gradients and AdamW-updated weights; the collectives are counted in
+forward and in backward. Plans: naive (Colwise/RowwiseParallel on the linears only), megatron
+(+ one shared input per block), sequence (+ sequence parallelism between the blocks, as in
+torchtitan), vocab (megatron + the embedding and the LM head split over the vocabulary, and the
+loss computed on the sharded logits under loss_parallel(), as in torchtitan).
 """
 import argparse
+import contextlib
 import copy
 import os
 import warnings
@@ -22,6 +25,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.functional import cross_entropy
 
 from distkit import print0, print_ranks, seed_everything, setup, teardown, write_json
 from distkit.toy import counting_data, tiny_llama
@@ -95,18 +100,27 @@ def local(t):  # what this rank stores
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def parallel_loss(logits):
+    """loss_parallel() for logits sharded over the vocabulary (the vocab plan): cross_entropy then
+    all-reduces per-token maxima and sums of exp over the ranks' V/N columns. Its backward must
+    run inside it too. Plain logits: nothing to do."""
+    return loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext()
+
+
 def step(model, tokens):
     """Forward and backward, each inside its own counter, then one AdamW step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     fwd, bwd = CommCounter(), CommCounter()
     with fwd:
-        out = model(input_ids=tokens, labels=tokens, use_cache=False)  # cross-entropy, next token
-    with bwd:
-        out.loss.backward()
+        logits = model(input_ids=tokens, use_cache=False).logits
+        with parallel_loss(logits):  # the next token's cross-entropy, as LlamaForCausalLM's loss
+            loss = cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    with bwd, parallel_loss(logits):
+        loss.backward()
     grads = {n: full(p.grad) for n, p in model.named_parameters()}
     optimizer.step()
     weights = {n: full(p.detach()) for n, p in model.named_parameters()}
-    return out.loss.detach(), full(out.logits.detach()), grads, weights, fwd, bwd
+    return full(loss.detach()), full(logits.detach()), grads, weights, fwd, bwd
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -135,7 +149,8 @@ for plan in plans:
                        dtype=torch.float64, device=env.device)  # NCCL reduces only GPU tensors
     dist.all_reduce(err, op=dist.ReduceOp.MAX)  # the worst rank's
     ok = [e < b for e, b in zip(err.tolist(), bounds)]
-    results[plan] = {"forward": fwd.counts(), "backward": bwd.counts(),
+    results[plan] = {"param_bytes": sum(local(p).nbytes for p in model.parameters()),
+                     "forward": fwd.counts(), "backward": bwd.counts(),
                      "forward_bytes": fwd.bytes, "backward_bytes": bwd.bytes,
                      "forward_ring_bytes": fwd.ring_bytes, "backward_ring_bytes": bwd.ring_bytes,
                      **{f"max_{n}_diff": e for n, e in zip(names, err.tolist())},
@@ -153,12 +168,16 @@ attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp  # the la
 shapes = {name: [list(w.shape), list(local(w).shape)] for name, w in (
     ("q_proj", attn.q_proj.weight), ("o_proj", attn.o_proj.weight),
     ("gate_proj", mlp.gate_proj.weight), ("down_proj", mlp.down_proj.weight))}
-mine, whole = (sum(local(p).nbytes for p in m.parameters()) for m in (model, base))
+# per rank with the decoder layers split (every plan but vocab splits only those)
+mine = next(r["param_bytes"] for p, r in results.items() if p != "vocab") \
+    if set(plans) - {"vocab"} else results["vocab"]["param_bytes"]
+whole = sum(p.nbytes for p in base.parameters())
 print_ranks("  ".join(f"{n} {g} -> {l}" for n, (g, l) in shapes.items())
             + f"\nparameter bytes: {mine} here, {whole} unsharded")
 write_json(args.json, {
     "world_size": env.world_size, "layers": args.layers, "hidden": args.hidden,
     "heads": args.heads, "batch": args.batch_size, "seq": args.seq,
+    "vocab": base.config.vocab_size,
     "tolerances": dict(zip(names, bounds)), "activation_bytes": act_bytes,
     "megatron_count": megatron, "plans": results, "local_shapes": shapes,
     "param_bytes_per_rank": mine, "param_bytes_unsharded": whole})

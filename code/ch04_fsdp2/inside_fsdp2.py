@@ -13,6 +13,7 @@ profiler, which costs more than the step itself: only where the chapter reads th
 each later step, run without any tracker, goes to the JSON only (CPU/gloo: noisy).
 """
 import argparse
+import contextlib
 import os
 import time
 import warnings
@@ -35,6 +36,7 @@ CONFIGS = {  # name: what differs from "fsdp2" (fully_shard per decoder layer, t
     "ddp": "DDP, the baseline: everything replicated",
     "fsdp2": "fully_shard per decoder layer, then the root (defaults)",
     "root-only": "fully_shard(model) alone: one unit, the whole model gathered at once",
+    "split-root": "the embedding and the LM head get units of their own (as torchtitan)",
     "no-reshard": "reshard_after_forward=False: keep gathered parameters until backward",
     "reshard-root": "reshard_after_forward=True on the root too",
     "bf16": "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
@@ -42,6 +44,7 @@ CONFIGS = {  # name: what differs from "fsdp2" (fully_shard per decoder layer, t
     "prefetch": "explicit forward prefetching: each layer's pre-forward gathers the next layer",
     "checkpoint": "activation checkpointing of every decoder layer, then fully_shard",
     "accumulate": "2 micro-batches per step, gradients reduced on the last only",
+    "accumulate-kept": "accumulate, layers kept gathered from first forward to last backward",
     "clip": "clip_grad_norm_(max_norm=0.1) on DTensor gradients",
     "offload": "CPUOffloadPolicy: shards, gradients and AdamW on the CPU (GPU only)",
 }
@@ -68,6 +71,9 @@ if int(os.environ.get("WORLD_SIZE", 1)) * args.batch_size > 256:
 # torch warn that such hooks may not fire, and FSDP2 that the root returns a view. Not ours.
 warnings.filterwarnings("ignore", message="(For backward hooks|Full backward hook|FSDP2-wrapped)")
 LR, MAX_NORM = 1e-3, 0.1
+WATCHED = {"embedding": "model.embed_tokens",  # modules whose output dtype bf16 configs record
+           "RMSNorm": "model.layers.0.input_layernorm",
+           "decoder layer (residual stream)": "model.layers.0", "logits": "lm_head"}
 
 
 def build():
@@ -90,10 +96,18 @@ def wrap(config: str, model):
               offload_policy=CPUOffloadPolicy() if config == "offload" else OffloadPolicy())
     if config != "root-only":
         for i, layer in enumerate(layers):
-            # keep-last (torchtitan's choice): backward starts with the last layer, so resharding
-            # it after its forward only to gather it again at once is a wasted all-gather
-            keep = config == "no-reshard" or (config == "keep-last" and i == len(layers) - 1)
+            # keep-last (torchtitan's earlier heuristic): backward starts with the last layer, so
+            # resharding it after its forward only to gather it again at once is a wasted all-gather
+            keep = config in ("no-reshard", "accumulate-kept") or (
+                config == "keep-last" and i == len(layers) - 1)
             fully_shard(layer, reshard_after_forward=not keep, **kw)
+    if config == "split-root":  # what stays in the root is gathered for the whole step: for an
+        # LLM the embedding and the LM head (2 x vocab x hidden). The embedding reshards after
+        # its forward; the head, needed first in backward, stays gathered until then. (torchtitan
+        # groups fully_shard([norm, output]): one collective for both; torch 2.13's
+        # FSDPMemTracker cannot follow such a grouped unit, so the tiny norm stays in the root.)
+        fully_shard(model.model.embed_tokens, **kw)
+        fully_shard(model.lm_head, reshard_after_forward=False, **kw)
     # None (the default) reshards every unit but the root: backward needs the root's first
     root_reshard = {"no-reshard": False, "reshard-root": True}.get(config)
     fully_shard(model, reshard_after_forward=root_reshard, **kw)
@@ -104,12 +118,14 @@ def wrap(config: str, model):
 
 
 def train_step(config: str, model, optimizer, tokens, between=None) -> float:
-    if config == "accumulate":  # two half batches; reduce-scatter only after the second
+    if config.startswith("accumulate"):  # two half batches; reduce-scatter only after the second
         losses = []
         for i, half in enumerate(tokens.chunk(2)):
             if i and between:
                 between()
             model.set_requires_gradient_sync(i == 1)
+            if config == "accumulate-kept":  # no reshard after the first backward: the second
+                model.set_reshard_after_backward(i == 1)  # forward needs no all-gather
             loss = model(input_ids=half, labels=half).loss / 2  # mean over the whole batch
             loss.backward()
             losses.append(loss.detach())
@@ -125,6 +141,26 @@ def train_step(config: str, model, optimizer, tokens, between=None) -> float:
     loss = loss.detach().clone()
     dist.all_reduce(loss)  # the global batch's loss: every rank's share, averaged
     return loss.item() / env.world_size
+
+
+@contextlib.contextmanager
+def output_dtypes(model):
+    """The dtype of a few modules' outputs in the forwards run inside the block."""
+    seen = {}
+
+    def note(name):
+        def hook(_module, _args, out):  # returns None: the output itself is left as it is
+            out = out[0] if isinstance(out, tuple) else out
+            seen.setdefault(name, str(out.dtype).removeprefix("torch."))
+        return hook
+    inner = model.module if isinstance(model, DDP) else model
+    hooks = [inner.get_submodule(path).register_forward_hook(note(name))
+             for name, path in WATCHED.items()]
+    try:
+        yield seen
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def held(model, optimizer) -> dict:
@@ -161,10 +197,16 @@ def run(config: str) -> dict:
             losses.append(train_step(config, model, optimizer, mine))
             times.append(time.perf_counter() - start)
     # gradients at rest: zero_grad(set_to_none) dropped them; one more backward brings them back
-    model(input_ids=mine, labels=mine).loss.backward()
+    # (bf16: noting the dtype of some modules' outputs on the way)
+    watch = output_dtypes(model) if config == "bf16" else contextlib.nullcontext({})
+    with watch as dtypes:
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+    if config == "bf16":  # (the bf16 run against autocast: section 3)
+        dtypes["loss"] = str(loss.dtype).removeprefix("torch.")
     at_rest = held(model, optimizer)
     optimizer.zero_grad()
-    return {"losses": losses, "step_s": times, "held": at_rest, "peak": peak,
+    return {"losses": losses, "step_s": times, "held": at_rest, "peak": peak, "dtypes": dtypes,
             "collectives": [vars(c) for c in log.collectives], "ranges": log.ranges}
 
 
@@ -211,6 +253,11 @@ print_ranks(f"stores rows {start}-{start + w.to_local().shape[0] - 1}: "
             f"local shape {tuple(w.to_local().shape)}")
 del demo, w
 
+# Autocast, for contrast with MixedPrecisionPolicy: op by op, on fp32 parameters
+with output_dtypes(full) as autocast_dtypes, torch.no_grad(), \
+        torch.autocast(env.device.type, dtype=torch.bfloat16):
+    loss = full(input_ids=mine, labels=mine).loss
+    autocast_dtypes["loss"] = str(loss.dtype).removeprefix("torch.")
 single, _ = reference(clip=False)
 single_clip, ref_norms = reference(clip=True)
 results, norms = {}, []
@@ -282,6 +329,7 @@ write_json(args.json, {"world_size": env.world_size, "num_params": num_params,
                        "configs": {c: CONFIGS[c] for c in configs},
                        "single_losses": single, "single_clip_losses": single_clip,
                        "ref_norms": ref_norms, "held_every_rank": every_rank,
+                       "autocast_dtypes": autocast_dtypes,
                        "comm_formula_zero3": communication_bytes(num_params, env.world_size, 3, 4),
                        "results": results})
 teardown()

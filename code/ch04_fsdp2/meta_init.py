@@ -19,6 +19,7 @@ recomputes it, as the model's __init__ would have.
 """
 import argparse
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -102,5 +103,25 @@ for name, fix in [("forgotten", False), ("fixed", True)]:
     dist.all_gather_object(ok, results[name]["inv_freq_ok"])
     print0(f"{name:9s}: rotary inv_freq right on every rank: {all(ok)};  "
            f"losses = one process's (< 1e-5) on {env.world_size} rank(s): {match}")
-write_json(args.json, {"world_size": env.world_size, "single_losses": single, **results})
+# Initialising on the shards instead (an init function after to_empty): with the same seed on
+# every rank, do the shards get different numbers? On CUDA yes: DTensor's OffsetBasedRNGTracker
+# gives each shard its own offset in one seeded stream. A CPU mesh has no such tracker
+# (torch/distributed/tensor/_random.py, is_rng_supported_mesh), so each rank draws from its own
+# generator: every shard gets the same numbers (torch warns: "DTensor random operators may not
+# have complete support on cpu device mesh"; silenced here, the check below says it).
+warnings.filterwarnings("ignore", message="DTensor random operators")
+with torch.device("meta"):
+    model = tiny_llama()
+fully_shard(model)
+model.to_empty(device=env.device)
+seed_everything(0)
+weight = model.model.layers[0].self_attn.q_proj.weight  # Shard(0): rows split over the ranks
+torch.nn.init.normal_(weight, std=0.02)
+pieces = weight.full_tensor().chunk(env.world_size)
+shards_repeat = env.world_size > 1 and all(torch.equal(p, pieces[0]) for p in pieces[1:])
+print0(f"init on the shards, same seed on every rank ({weight.device_mesh.device_type} mesh): "
+       f"every rank's shard the same numbers: {shards_repeat}")
+write_json(args.json, {"world_size": env.world_size, "single_losses": single, **results,
+                       "init_on_shards": {"mesh": weight.device_mesh.device_type,
+                                          "shards_repeat": shards_repeat}})
 teardown()

@@ -10,7 +10,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-PLANS = ["naive", "megatron", "sequence"]
+PLANS = ["naive", "megatron", "sequence", "vocab"]
 
 
 def layer_plan(plan: str) -> dict:
@@ -49,6 +49,15 @@ def parallelize(model, plan: str, mesh):
     the model)."""
     for layer in model.model.layers:
         parallelize_module(layer, mesh, layer_plan(plan))
+    if plan == "vocab":  # megatron, and the embedding and the LM head split over the vocabulary
+        parallelize_module(model, mesh, {
+            # rows = token ids: each rank looks up the ids in its V/N range (zeros for the
+            # others), and the partial outputs are all-reduced
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
+                                                  output_layouts=Replicate()),
+            # columns = the vocabulary: each rank computes V/N of the logits, which stay sharded
+            # (a DTensor) for the loss under loss_parallel(): [B, S, V] is never gathered
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
     if plan == "sequence":  # the residual stream is sharded on the sequence between the layers
         parallelize_module(model, mesh, {
             "model.embed_tokens": PrepareModuleOutput(  # keep this rank's S/N tokens

@@ -1,0 +1,110 @@
+"""Every papermill command the course suggests passes the notebook's own parameter check.
+
+A notebook's parameters cell and its prose suggest overrides (`-p NPROC 4 -p LAYERS 4` on a
+4-GPU node); the README gives whole `papermill notebooks/NN_x.ipynb ... -p ...` lines. A
+suggestion that the next cell's `require(...)` rejects sends a learner on a GPU node straight
+into an error. Each one is checked here the way papermill would run it, but only as far as the
+check: the parameters cell, papermill's injected values, then the first code cell after the
+parameters (the check), in a scratch folder (the check cells create and empty build/chNN).
+Notebooks are found by glob, so a new chapter is covered as soon as it exists.
+"""
+import re
+import shlex
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+from papermill.cli import _resolve_type  # how `papermill -p NAME VALUE` types VALUE
+
+from conftest import ROOT
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+# `...` spans and fenced lines that pass papermill options (-p NAME VALUE, -r, -y)
+OPTION = re.compile(r"(?:^|\s)-(?:p|r|y)\s")
+SPAN = re.compile(r"`([^`\n]+)`|^```[^\n]*\n(.*?)^```", re.M | re.S)
+
+
+def parse(command: str) -> dict:
+    """papermill's options in `command` as the parameters it would inject (-p, -r, -y)."""
+    words, params, i = shlex.split(command), {}, 0
+    while i < len(words):
+        w = words[i]
+        if w in ("-p", "--parameters", "-r", "--parameters_raw"):
+            name, value = words[i + 1], words[i + 2]
+            params[name] = _resolve_type(value) if w in ("-p", "--parameters") else value
+            i += 3
+        elif w in ("-y", "--parameters_yaml"):
+            params.update(yaml.safe_load(words[i + 1]) or {})
+            i += 2
+        else:
+            i += 1
+    return params
+
+
+def commands_in(text: str) -> list[str]:
+    """Each suggested command in a cell's or a file's text: a `...` span or a fenced line."""
+    found = []
+    for span, fence in SPAN.findall(text):
+        lines = [span] if span else fence.splitlines()
+        found += [line for line in lines if OPTION.search(f" {line}")]
+    return found
+
+
+def parameters_and_check(path: Path) -> tuple[str, str]:
+    cells = nbformat.read(path, as_version=4).cells
+    first = next(i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", []))
+    check = next(c for c in cells[first + 1:] if c.cell_type == "code")
+    return cells[first].source, check.source
+
+
+def suggestions() -> list:
+    """(notebook, command) for every suggestion: in a notebook's parameters cell (its comments)
+    or markdown, and the README's `papermill notebooks/...` lines."""
+    cases = []
+    for path in NOTEBOOKS:
+        cells = nbformat.read(path, as_version=4).cells
+        for cell in cells:
+            tagged = "parameters" in cell.metadata.get("tags", [])
+            if tagged or cell.cell_type == "markdown":
+                cases += [(path.name, c) for c in commands_in(cell.source)]
+    readme = (ROOT / "README.md").read_text()
+    for line in readme.splitlines():
+        if m := re.search(r"papermill (notebooks/)?(\d\d_\w+\.ipynb)\s.*", line):
+            cases.append((m.group(2), m.group(0)))
+    return cases
+
+
+CASES = suggestions()
+
+
+def test_suggestions_are_found():
+    """The extraction itself: chapter 02's GPU suggestion and the README's example are found."""
+    names = {name for name, _ in CASES}
+    assert "02_model_parallelism.ipynb" in names and "01_data_parallel_ddp.ipynb" in names, CASES
+    assert parse('-p NPROC 4 -p NAME x -r RAW 5 -y "L: [3, 2]"') == \
+        {"NPROC": 4, "NAME": "x", "RAW": "5", "L": [3, 2]}
+
+
+@pytest.mark.parametrize("notebook,command", CASES, ids=[f"{n[:2]}: {c}" for n, c in CASES])
+def test_suggested_command_passes_the_check(notebook, command, tmp_path, monkeypatch):
+    params, check = parameters_and_check(ROOT / "notebooks" / notebook)
+    overrides = parse(command)
+    assert overrides, f"no papermill parameters in {command!r}"
+    ns = {"__name__": "__main__"}
+    exec(compile(params, f"{notebook}: parameters", "exec"), ns)
+    unknown = set(overrides) - {k for k in ns if not k.startswith("__")}
+    assert not unknown, f"{notebook}: {command!r} sets {unknown}, not in the parameters cell"
+    ns.update(overrides)  # papermill's injected-parameters cell
+    # A scratch root: the check cells find the repo as the first folder upwards with
+    # code/distkit, then create (some empty) build/chNN under it.
+    (tmp_path / "code").symlink_to(ROOT / "code", target_is_directory=True)
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")
+    try:
+        exec(compile(check, f"{notebook}: check cell", "exec"), ns)
+    except ValueError as e:
+        pytest.fail(f"{notebook}: the suggested {command!r} fails its check cell: {e}")
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close("all")
