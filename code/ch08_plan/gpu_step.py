@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from distkit.memory import LLAMA_CONFIGS, llama_parts, llama_training_bytes, sac_context_fn
-from distkit.speed import EFF, GPUS, LINKS, step_time
+from distkit.memory import LLAMA_CONFIGS, llama_training_bytes, sac_context_fn
+from distkit.speed import EFF, GPUS, LINKS, optimizer_step_bytes, peak_bytes, step_time
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--seq", type=int, default=2048)
@@ -36,7 +36,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 name = torch.cuda.get_device_name()
-gpu = next((g for key, g in GPUS.items() if key.split()[0] in name), None)
+# "H100 PCIe" and "H100 NVL" are other parts (lower clocks and peaks): no prediction for them
+gpu = None if ("PCIe" in name or "NVL" in name) else next(
+    (g for key, g in GPUS.items() if key.split()[0] in name), None)
 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
 torch.manual_seed(0)
 config = LlamaConfig(**LLAMA_CONFIGS["1b"], max_position_embeddings=args.seq,
@@ -77,13 +79,17 @@ tps = args.steps * args.batch * args.seq / (time.perf_counter() - start)
 cfg = LLAMA_CONFIGS["1b"]
 predicted = llama_training_bytes(cfg, ranks=1, seq=args.seq, batch=args.batch,
                                  precision="bf16", attn="sdpa", ac=args.ac)
-parts = llama_parts(cfg)
-foreach = 4 * (cfg["num_hidden_layers"] * parts["layer"] + parts["root"])  # exp_avg_sq's sqrt
-want = predicted["Total"] + foreach
+want = peak_bytes(cfg, gpus=1, seq=args.seq, batch=args.batch, ac=args.ac)
+reserved = torch.cuda.max_memory_reserved()
+free, total = torch.cuda.mem_get_info()  # the device's view: + CUDA context, NCCL's buffers
 print(f"{name}: max_memory_allocated {measured / 2**30:.2f} GiB, predicted {want / 2**30:.2f} "
-      f"GiB (model {predicted['Total'] / 2**30:.2f} + foreach AdamW {foreach / 2**30:.2f}), "
+      f"GiB (the larger of the backward's {predicted['Total'] / 2**30:.2f} and AdamW's step "
+      f"{optimizer_step_bytes(predicted) / 2**30:.2f}), "
       f"error {100 * (want - measured) / measured:+.1f} %")
-out = {"device": name, "measured_bytes": measured, "predicted_bytes": want, "tokens_per_s": tps}
+print(f"max_memory_reserved {reserved / 2**30:.2f} GiB (the allocator's cache on top); the "
+      f"device has {(total - free) / 2**30:.2f} GiB in use (+ CUDA context and NCCL's buffers)")
+out = {"device": name, "measured_bytes": measured, "reserved_bytes": reserved,
+       "predicted_bytes": want, "tokens_per_s": tps}
 if gpu:
     speeds = [step_time(cfg, gpu=gpu, link=LINKS["IB NDR / RoCE 400G"], gpus=1, seq=args.seq,
                         batch=args.batch, ac=args.ac, eff=e)["tokens/s/GPU"] for e in EFF]

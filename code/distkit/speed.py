@@ -181,16 +181,24 @@ def step_time(config, *, gpu: GPU, link: float, gpus: int, seq: int, batch: int,
 
 def peak_bytes(config, *, gpus: int, seq: int, batch: int = 1, tp: int = 1, ac: str = "full",
                attn: str = "sdpa") -> float:
-    """Bytes one GPU needs at the step's peak for planning: `llama_training_bytes` (bf16 FSDP2
-    over gpus / tp ranks, tensor parallel over tp) plus CUDA AdamW's foreach temporary, one fp32
-    value per sharded parameter (the CPU simulation takes the single-tensor path and cannot see
-    it). Not counted: the CUDA context and the caching allocator's cached and fragmented blocks
-    (compare with a fraction of the GPU's memory)."""
-    parts = llama_parts(config)
-    dp = gpus // tp
-    m = llama_training_bytes(config, ranks=dp, seq=seq, batch=batch, precision="bf16",
+    """Bytes one GPU needs at the step's peak for planning: the larger of two moments that never
+    overlap. The backward's peak, `llama_training_bytes` (bf16 FSDP2 over gpus / tp ranks, tensor
+    parallel over tp; gradients are set to None, so none exist in the forward); and CUDA AdamW's
+    step, after every activation is freed: the fp32 sharded parameters, their fp32 gradients,
+    AdamW's two moments, and the foreach path's temporary (`torch._foreach_sqrt` of exp_avg_sq,
+    one fp32 value per sharded parameter; torch/optim/adam.py, the CPU simulation takes the
+    single-tensor path and cannot see it): 4 + 4 + 8 + 4 = 20 bytes per sharded parameter.
+    Not counted: the CUDA context, NCCL's buffers and the caching allocator's cached and
+    fragmented blocks (compare with a fraction of the GPU's memory)."""
+    m = llama_training_bytes(config, ranks=gpus // tp, seq=seq, batch=batch, precision="bf16",
                              attn=attn, ac=ac, tensor_parallel=tp)
-    return m["Total"] + 4 * (config["num_hidden_layers"] * parts["layer"] / tp + parts["root"]) / dp
+    return max(m["Total"], optimizer_step_bytes(m))
+
+
+def optimizer_step_bytes(m: dict) -> float:
+    """AdamW's step on CUDA (foreach): parameters, gradients and the temporary are each one fp32
+    value per sharded parameter ("Sharded Param" bytes), plus the two moments ("OptState")."""
+    return 3 * m["Sharded Param"] + m["OptState"]
 
 
 def days(total_tokens: float, tokens_per_s_per_gpu: float, gpus: int) -> float:

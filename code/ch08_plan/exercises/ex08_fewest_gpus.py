@@ -14,7 +14,8 @@ tensor parallelism (its all-reduces sit in every layer's critical path), then le
 
 Predict, then measure:
 1. 70B at 8,192 tokens on 80 GB GPUs (budget 0.9 x 79.6 GiB): how many GPUs, which settings?
-2. The same on 141 GB H200s (--gpu-gib 131): fewer GPUs, and is full checkpointing still needed?
+2. The same on 141 GB H200s (--gpu-gib 118: 0.9 of their 131 GiB, the headroom question 1 keeps):
+   fewer GPUs, and is full checkpointing still needed?
 3. 8B at 32,768 tokens: which term of the peak decides, model states or activations?
 """
 import argparse

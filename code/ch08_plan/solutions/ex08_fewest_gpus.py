@@ -13,7 +13,8 @@ tensor parallelism (its all-reduces sit in every layer's critical path), then le
 
 Predict, then measure:
 1. 70B at 8,192 tokens on 80 GB GPUs (budget 0.9 x 79.6 GiB): how many GPUs, which settings?
-2. The same on 141 GB H200s (--gpu-gib 131): fewer GPUs, and is full checkpointing still needed?
+2. The same on 141 GB H200s (--gpu-gib 118: 0.9 of their 131 GiB, the headroom question 1 keeps):
+   fewer GPUs, and is full checkpointing still needed?
 3. 8B at 32,768 tokens: which term of the peak decides, model states or activations?
 """
 import argparse
@@ -69,7 +70,7 @@ if args.json:
         json.dump({"model": args.model, "seq": args.seq, "budget_gib": args.gpu_gib,
                    "answer": answer}, f)
 ### BEGIN SOLUTION
-# Answers: 1. 24 GPUs, tp 1, full checkpointing, at the edge of the budget (notebook 08,
-# question 1). 2. 16 H200s, still with full checkpointing. 3. run it;
+# Answers: 1. 24 GPUs, tp 1, full checkpointing: 60.6 of 71.6 GiB (notebook 08, question 1;
+# 16 GPUs would need 82.1, 10.5 GiB more). 2. 16 H200s, still with full checkpointing. 3. run it;
 # question 3's answer is in the printed peak: at 32,768 tokens the logits alone are 16 GiB.
 ### END SOLUTION
