@@ -35,7 +35,10 @@ def zero1(run):
     yield (res["identical"], "weights identical on every rank",
            "the ranks' weights differ after training: is every shard all-gathered back?")
     S = res["shard_size"]
-    want = [8 * S + 4] * N
+    # chapter 03's calculator: ZeRO-1's optimizer bytes of the padded S x N values, over N ranks,
+    # + AdamW's one step counter (the shard is one tensor)
+    from distkit.memory import FP32_ADAMW, model_state_bytes
+    want = [int(model_state_bytes(S * N, N, 1, FP32_ADAMW)["optimizer"]) + 4] * N
     yield (res["optimizer_state_bytes"] == want,
            f"each rank's AdamW state = 8 x S + 4 = {want[0]:,} bytes (one process: "
            f"{res['single_optimizer_state_bytes']:,})",
