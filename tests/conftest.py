@@ -195,6 +195,31 @@ def run_papermill(tmp_path, notebook: str, *args) -> str:
     return json.dumps(nbformat.read(out, as_version=4).cells)
 
 
+def run_parameter_check(notebook: str, values: dict, tmp_path, monkeypatch) -> dict:
+    """A notebook's parameters cell, `values` injected as papermill would, then its check cell
+    (the first code cell after the parameters), in a scratch root: the check cells find the repo
+    as the first folder upwards with code/distkit and create (some empty) build/chNN under it.
+    Returns the parameters' defaults for the names in `values`; raises what the check raises."""
+    cells = nbformat.read(ROOT / "notebooks" / notebook, as_version=4).cells
+    first = next(i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", []))
+    check = next(c for c in cells[first + 1:] if c.cell_type == "code")
+    ns = {"__name__": "__main__"}
+    exec(compile(cells[first].source, f"{notebook}: parameters", "exec"), ns)
+    unknown = set(values) - {k for k in ns if not k.startswith("__")}
+    assert not unknown, f"{notebook}: {sorted(unknown)} not in the parameters cell"
+    defaults = {k: ns[k] for k in values}
+    ns.update(values)  # papermill's injected-parameters cell
+    (tmp_path / "code").symlink_to(ROOT / "code", target_is_directory=True)
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")
+    try:
+        exec(compile(check.source, f"{notebook}: check cell", "exec"), ns)
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close("all")
+    return defaults
+
+
 def write_notebook(path, *sources) -> Path:
     """A notebook with one code cell per source, for testing the harness itself."""
     nb = nbformat.v4.new_notebook()

@@ -150,6 +150,10 @@ def on_two_ranks(tmp_path, scenario, timeout=150) -> list:
         except BaseException as e:  # noqa: BLE001 (reported to the parent)
             results.put((rank, f"rank {rank} failed: {e!r}"))
         finally:
+            # put() hands the value to a feeder thread: wait until it is in the pipe, or
+            # os._exit may drop it (seen once under load: the parent then waited 150 s)
+            results.close()
+            results.join_thread()
             os._exit(0)
 
     procs = [ctx.Process(target=rank_main, args=(r,)) for r in range(2)]
