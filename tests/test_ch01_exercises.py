@@ -3,14 +3,12 @@ copied over its starter, passes; a wrong answer fails with the line that names i
 launched stops at its first TODO on every rank; arguments and bad input.
 
 Budget of `make test`: exercise 1's checker at 2 ranks (both modes: two launches, and
-train_single.py once as its reference) and the starter's launch, at once; every 2-rank launch
+train_single.py once as its reference) and the starter's launch; every 2-rank launch
 costs ~10 CPU-s (each rank imports torch and transformers). The notebook runs exercise 2's
 solution (with --times) and asserts its counts, bytes, parity and timeline order under nbval.
 Both checkers at 3 ranks, on the solutions and on a wrong answer each: `make test-nproc`.
 --help and bad input run in this process (argparse stops the scripts before setup()).
 """
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from conftest import check_stopped_at_todo, run_in_process, run_launcher
@@ -21,14 +19,15 @@ EXERCISES = ["ex01_manual_ddp.py", "ex01_overlap.py"]
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    """make test: exercise 1's solution at 2 ranks (the notebook does not run it) and a starter
-    launched like a learner's."""
-    tmp = tmp_path_factory.mktemp("ch01_ex")
-    with ThreadPoolExecutor() as pool:  # threads only wait for the subprocesses
-        starter = pool.submit(run_launcher, 2, "ch01_ddp/exercises/ex01_overlap.py", "--modes",
-                              "per-param", "--steps", 2, timeout=600)
-        done = check_at_once({"manual": ("01.1", None)}, tmp)
-        return {**done, "starter": starter.result()}
+    """make test: exercise 1's solution at 2 ranks (the notebook does not run it)."""
+    return check_at_once({"manual": ("01.1", None)}, tmp_path_factory.mktemp("ch01_ex"))
+
+
+@pytest.fixture(scope="module")
+def starter():
+    """A starter launched like a learner's (its own fixture: `make stress` repeats only this)."""
+    return run_launcher(2, "ch01_ddp/exercises/ex01_overlap.py", "--modes", "per-param",
+                        "--steps", 2, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +73,10 @@ def test_at_3_ranks_solutions_pass_and_wrong_answers_are_named(at_3):
     assert lines[-1].startswith("FAIL [3 ranks] per-param: gradients differ from one process's by")
 
 
-def test_starter_stops_at_its_first_todo(checks):
+def test_starter_stops_at_its_first_todo(starter):
     """Launched like a learner would: the given flat mode is skipped, per-param stops at once,
     every rank at the same line (todo() waits for the others before it exits)."""
-    check_stopped_at_todo(checks["starter"], 2, "code/ch01_ddp/exercises/ex01_overlap.py",
+    check_stopped_at_todo(starter, 2, "code/ch01_ddp/exercises/ex01_overlap.py",
                           "per-param: register self._ready")
 
 
