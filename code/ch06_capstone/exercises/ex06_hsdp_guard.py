@@ -41,7 +41,9 @@ Predict, then measure:
 import argparse
 import math
 import os
+import shutil
 import sys
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -161,10 +163,8 @@ def report(stopped_at: int | None, problem: str = ""):
     write_json(args.json, {
         "world_size": N, "replicate": R, "mesh_shape": list(mesh.shape),
         "mesh_dim_names": list(mesh.mesh_dim_names),
-        "placements": sorted({str(tuple(map(repr, p.placements))) for p in model.parameters()
-                              if isinstance(p, DTensor)} | ({"not a DTensor"} if any(
-                                  not isinstance(p, DTensor) for p in model.parameters())
-                                  else set())),
+        "placements": sorted({str(tuple(map(repr, p.placements))) if isinstance(p, DTensor)
+                              else "not a DTensor" for p in model.parameters()}),
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "ranks": ranks, "losses": losses, "single_losses": single_losses[:len(losses)],
         "tolerance": LOSS_TOL, "fault_step": args.fault_step, "fault_rank": fault_rank,
@@ -172,7 +172,6 @@ def report(stopped_at: int | None, problem: str = ""):
 
 
 if env.rank == 0 and os.path.isdir(args.ckpt_dir):  # a fresh run: no checkpoints of another
-    import shutil
     shutil.rmtree(args.ckpt_dir)
 dist.barrier()
 step1, guard = CollectiveLog(), CollectiveLog()  # step 1's forward + backward; share()'s
@@ -182,7 +181,7 @@ print0(f"{N} ranks: HSDP on a {R} x {N // R} mesh ({R} replicas, each sharded ov
        f"{args.fault_step or 'none'}, checkpoints every {args.save_every} steps")
 for step in range(1, args.steps + 1):
     rows = batches[step - 1, env.rank * b:(env.rank + 1) * b]  # this rank's slice
-    with step1 if step == 1 else CollectiveLog():
+    with step1 if step == 1 else nullcontext():
         loss = model(input_ids=rows, labels=rows).loss
         loss.backward()
     if step == args.fault_step and env.rank == fault_rank:  # the fault: one element, one rank
@@ -191,7 +190,7 @@ for step in range(1, args.steps + 1):
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     if isinstance(grad_norm, DTensor):  # reduced over the mesh's shard dimension
         grad_norm = grad_norm.full_tensor()
-    with guard if step == 1 else CollectiveLog():
+    with guard if step == 1 else nullcontext():
         mean_loss, norm, stop = share(loss.detach(), grad_norm)
     losses.append(mean_loss)
     # The exercise's own check, not part of a recipe: every rank's verdict, every step. Where
