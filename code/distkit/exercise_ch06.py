@@ -57,7 +57,7 @@ def hsdp_guard(run):
     yield (not res["problem"], "the guard's verdict is the same on every rank at every step",
            f"{res['problem']}: ranks {[r for r, v in enumerate(res['verdicts'][-1]) if v]} "
            f"would stop, ranks {[r for r, v in enumerate(res['verdicts'][-1]) if not v]} go on "
-           "(a real job hangs there): decide on values every rank shares"
+           "(a real job parts there): decide on values every rank shares"
            if res["problem"] else "")
     guard = [r["share_collectives"] for r in res["ranks"]]
     yield (guard == [[["all_reduce", list(range(N))]]] * N,
