@@ -1,126 +1,165 @@
-"""Chapter 06's exercise: the solution's held-out loss on 3 ranks, whose shares of the held-out
-sequences differ (50 = 17 + 17 + 16), is one process's; and the starter stops at its TODO.
+"""Chapter 06's exercise through its checker (`make exercise EX=06.1`): HSDP on a 2-D mesh keeps
+one process's losses, its collectives stay within the mesh's rows and columns, and a gradient
+corrupted on one rank stops every rank at that step, before the optimizer step and the save,
+with a failed job; a guard that decides on each rank's own numbers is named; arguments and bad
+input.
 
-Budget: 15 s on 2 cores, where every process that imports torch and transformers costs ~4.5 s
-of CPU before it does anything. So the three processes of one launch of the solution and the
-starter, as one plain-Python process of a one-process group (the same code path up to its TODO,
-without a launch), start at once, sharing one fresh data cache (corpus.prepare is safe against
-that race). --help and bad input run in this process: argparse stops the scripts before setup().
-Wrong answers are not launched here (one more launch is ~9 s); measured by hand on 3 ranks: a
-mean of the ranks' means misses by 1.5e-4, a dropped or an extra sequence by 1e-3 or more (all
-far above the 1e-5 tolerance), and a rank that skips its padding batch leaves the others in an
-all-gather until the process group's timeout. test_defaults_make_the_traps_show pins the
-defaults that put a padding batch and uneven shares in the run.
+Budget of `make test`: two 2-rank launches at once (the solution, and the wrong answer the
+exercise is about), ~10 CPU-s each, most of it importing torch and transformers. At 4 ranks (a
+2 x 2 mesh), the solution and two more wrong answers: `make test-nproc`. The untouched starter's
+first TODO is tests/test_exercises.py's (no launch). --help and bad input run in this process:
+argparse stops the scripts before setup(). Measured by hand (`--file`, 2 ranks): the guard below
+optimizer.step() fails with "weights hold a NaN on ranks [1]: the optimizer stepped on the
+corrupted gradient".
 """
-import ast
-import math
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from conftest import (CODE, check_same_options, check_starter, run_in_process, run_json,
-                      run_scripts_at_once)
+from conftest import check_same_options, run_in_process
+from distkit.exercise import check_at_once
 
-EVAL = "ch06_capstone/{}/ex06_eval.py"
-NPROC = 3
-ONE_PROCESS = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}
+GUARD = "ch06_capstone/{}/ex06_hsdp_guard.py"
+# The wrong answer the exercise is about: each rank decides on its own gradient norm, which HSDP
+# reduces within a shard group only, so the replica that holds an intact copy sees a finite norm.
+LOCAL_VERDICT = ("return mean_loss, norm, not (math.isfinite(mean_loss) and math.isfinite(norm))",
+                 "return mean_loss, norm, not torch.isfinite(grad_norm).item()")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{"solution": (json, stdout), "starter": (status, stdout, stderr)}"""
-    tmp = tmp_path_factory.mktemp("ch06_ex")
-    data = ["--data-dir", tmp / "data"]
-    with ThreadPoolExecutor() as pool:  # threads only wait for the subprocesses
-        solution = pool.submit(run_json, tmp, NPROC, EVAL.format("solutions"), *data)
-        starter = pool.submit(run_scripts_at_once,
-                              {"starter": (EVAL.format("exercises"), data, ONE_PROCESS)})
-        return {"solution": solution.result(), "starter": starter.result()["starter"]}
+def checks(tmp_path_factory):
+    """make test: the solution and the rank-local verdict at 2 ranks (a 2 x 1 mesh)."""
+    return check_at_once({"solution": ("06.1", None), "local_verdict": ("06.1", LOCAL_VERDICT)},
+                         tmp_path_factory.mktemp("ch06_ex"))
 
 
-def cpu_tiny(path, name):
-    """The dict that `name` is (for PRESETS: its "cpu-tiny" entry) in the file at `path`, read
-    from the source without running it; a {...} literal or a dict(...) call."""
-    def value(node):
-        if isinstance(node, ast.Call):
-            return {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-        return ast.literal_eval(node)
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == name:
-            if name == "PRESETS":
-                return value(next(v for k, v in zip(node.value.keys, node.value.values)
-                                  if k.value == "cpu-tiny"))
-            return value(node.value)
-    raise AssertionError(f"no {name} in {path}")
+@pytest.fixture(scope="module")
+def at_4(tmp_path_factory):
+    """make test-nproc: the solution, the rank-local verdict, a flat mesh and a job that exits
+    0, at 4 ranks (2 x 2)."""
+    return check_at_once({
+        "solution": ("06.1", None),
+        "local_verdict": ("06.1", LOCAL_VERDICT),
+        # FSDP over all ranks, no replicas: a 1-D mesh
+        "flat_mesh": ("06.1", ('mesh = init_device_mesh(env.device.type, (R, N // R), '
+                               'mesh_dim_names=("replicate", "shard"))',
+                               'mesh = init_device_mesh(env.device.type, (N,), '
+                               'mesh_dim_names=("shard",))')),
+        # stopped in time, but the scheduler is told all went well
+        "exit_0": ("06.1", ("os._exit(3)", "os._exit(0)")),
+    }, tmp_path_factory.mktemp("ch06_ex4"), nprocs="largest")
 
 
-# --- the solution ---------------------------------------------------------------------------
-
-def test_sharded_loss_is_one_processes(runs):
-    res, _ = runs["solution"]
-    assert res["world_size"] == NPROC
-    assert res["same"] is True
-    assert abs(res["sharded_loss"] - res["one_process_loss"]) < res["tolerance"] == 1e-5
-    # an untrained model: about a uniform guess over the vocabulary (a real cross-entropy)
-    assert abs(res["sharded_loss"] - math.log(2048)) < 0.5
+@pytest.fixture(scope="module")
+def runs(checks):
+    ok, lines, launches = checks["solution"]
+    assert ok, lines
+    (_, res, out), = launches
+    return res, out
 
 
-def test_defaults_make_the_traps_show(runs):
-    """Uneven shares (a mean of means would miss) and a rank that runs a padding batch: every
-    rank runs as many forwards as the largest share needs, the smallest share fewer."""
-    res, _ = runs["solution"]
-    n, mb = res["heldout_sequences"], res["micro_batch"]
-    assert n == 50 and n % NPROC != 0 and mb == 8
-    forwards = math.ceil(math.ceil(n / NPROC) / mb)
-    assert res["forwards"] == [forwards] * NPROC
-    assert math.ceil((n // NPROC) / mb) < forwards  # the smallest share needs one fewer
+def test_a_rank_local_verdict_is_named(checks):
+    ok, lines, _ = checks["local_verdict"]
+    assert not ok
+    assert lines[-1] == ("FAIL [2 ranks] the guard's verdicts differ at step 4: ranks [1] would "
+                         "stop, ranks [0] go on (a real job parts there): decide on values "
+                         "every rank shares")
 
 
-def test_solution_prints_its_check(runs):
-    res, out = runs["solution"]
-    assert out.splitlines() == [
-        f"{res['heldout_sequences']} held-out sequences of 128 tokens on 3 ranks, "
-        f"micro-batches of 8",
-        f"forwards per rank: {res['forwards']}",
-        f"held-out loss: {res['sharded_loss']:.3f} (a uniform guess over 2048 tokens: 7.625)",
-        "sharded == one process: True"]
+@pytest.mark.second_nproc
+def test_at_4_ranks_the_solution_passes_and_wrong_answers_are_named(at_4):
+    ok, lines, launches = at_4["solution"]
+    assert ok, lines
+    assert "PASS [4 ranks] rows = consecutive ranks: shard groups [[0, 1], [2, 3]]" in lines
+    (_, res, _), = launches
+    assert [r["groups"] for r in res["ranks"]] == [
+        {"replicate": [0, 2], "shard": [0, 1]}, {"replicate": [1, 3], "shard": [0, 1]},
+        {"replicate": [0, 2], "shard": [2, 3]}, {"replicate": [1, 3], "shard": [2, 3]}]
+    assert [r["param_bytes_held"] for r in res["ranks"]] == [res["param_bytes"] // 2] * 4
+    expected = {
+        # the corrupted shard (rank 3's) is also rank 2's shard group's norm; ranks 0 and 1
+        # hold the intact replica
+        "local_verdict": "FAIL [4 ranks] the guard's verdicts differ at step 4: ranks [2, 3] "
+                         "would stop, ranks [0, 1] go on (a real job parts there): decide on "
+                         "values every rank shares",
+        "flat_mesh": "FAIL [4 ranks] the mesh is 4 named ('shard',), not 2 x 2 named "
+                     "('replicate', 'shard')",
+        "exit_0": "FAIL [4 ranks] the launch ended with exit status 0 after the guard stopped "
+                  "it: a scheduler would call the run a success; the ranks' status is not 3",
+    }
+    for name, line in expected.items():
+        ok, lines, _ = at_4[name]
+        assert not ok and lines[-1] == line, (name, lines)
 
 
-def test_model_is_the_capstones():
-    """The exercise evaluates the capstone's cpu-tiny Llama: the same config as its preset."""
-    capstone = cpu_tiny(CODE / "ch06_capstone" / "train_llama.py", "PRESETS")
-    for folder in ("solutions", "exercises"):
-        assert cpu_tiny(CODE / EVAL.format(folder), "CPU_TINY") == capstone
+# --- the solution at 2 ranks ------------------------------------------------------------------
+
+def test_hsdp_mesh_placements_and_collectives(runs):
+    """A 2 x 1 mesh: shard groups of one rank (nothing to gather: each holds whole parameters),
+    one gradient all-reduce over both ranks: DDP, spelled as HSDP."""
+    res, _ = runs
+    assert res["world_size"] == 2 and res["mesh_shape"] == [2, 1]
+    assert res["placements"] == ["('Replicate()', 'Shard(dim=0)')"]
+    for r, rank in enumerate(res["ranks"]):
+        assert rank["groups"] == {"replicate": [0, 1], "shard": [r]}
+        assert rank["step1_collectives"] == [["all_reduce", [0, 1]]]
+        assert rank["share_collectives"] == [["all_reduce", [0, 1]]]
+        assert rank["param_bytes_held"] == res["param_bytes"] == 4 * 98_624  # tiny Llama, fp32
 
 
-# --- the starter ------------------------------------------------------------------------------
-
-def test_starter_stops_at_its_todo(runs):
-    """As a learner's first run goes: one line on stderr, exit status 1, nothing printed."""
-    status, out, err = runs["starter"]
-    assert status == 1, err
-    assert len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"TODO(you) at code/{EVAL.format('exercises')}:")
-    assert err.strip().endswith("evaluate(): the mean held-out loss over every sequence, on any "
-                                "number of ranks")
-    assert out == "" and "Traceback" not in err
+def test_losses_are_one_processes_until_the_stop(runs):
+    res, _ = runs
+    assert res["fault_step"] == 4 and res["fault_rank"] == 1
+    assert len(res["losses"]) == len(res["single_losses"]) == 4  # steps 1-4: the 4th's forward
+    assert max(abs(a - b) for a, b in zip(res["losses"], res["single_losses"])) \
+        < res["tolerance"] == 1e-5
+    assert res["losses"][-1] < res["losses"][0]  # it trains
 
 
-def test_starter_marks_its_todo():
-    check_starter("ch06_capstone", "ex06_eval.py", 1)
+def test_the_guard_stops_every_rank_at_the_corrupted_step(runs):
+    res, out = runs
+    assert res["verdicts"] == [[False, False]] * 3 + [[True, True]]
+    assert [r["stopped_at"] for r in res["ranks"]] == [4, 4]
+    assert [r["weights_finite"] for r in res["ranks"]] == [True, True]
+    assert res["saved"] == [2]  # step 4 would have saved
+    assert "gradient norm nan at step 4: stopped without saving" in out
+    assert "rank 0 failed first (exit code 3)" in out or "rank 1 failed first (exit code 3)" in out
+
+
+def test_solution_prints_its_steps(runs):
+    """Rank 0's stdout in order; the guard's line is on its stderr (the launcher merges the two
+    streams, not necessarily in order)."""
+    res, out = runs
+    lines = [ln for ln in out.splitlines() if not ln.startswith("run_w_torchrun.sh: ")]
+    stop = [ln for ln in lines if ln.startswith("non-finite ")]
+    assert stop == [f"non-finite loss {res['losses'][-1]} or gradient norm nan at step 4: "
+                    "stopped without saving"]
+    lines.remove(stop[0])
+    assert lines[0] == ("2 ranks: HSDP on a 2 x 1 mesh (2 replica(s), each sharded over 1 "
+                        "rank(s)); a gradient shard corrupted on rank 1 at step 4, checkpoints "
+                        "every 2 steps")
+    assert len(lines) == 4
+    for step in (1, 2, 3):
+        assert lines[step].startswith(f"step {step}  loss {res['losses'][step - 1]:.3f}  (one "
+                                      f"process: {res['single_losses'][step - 1]:.3f})")
 
 
 # --- arguments: --help, bad input (in this process: argparse exits before setup) ---------------
 
 def test_starter_takes_the_solutions_arguments(monkeypatch, capsys):
-    check_same_options(monkeypatch, capsys, EVAL)
+    check_same_options(monkeypatch, capsys, GUARD)
 
 
 @pytest.mark.parametrize("folder", ["solutions", "exercises"])
-@pytest.mark.parametrize("value", ["0", "-2"])
-def test_bad_input(monkeypatch, capsys, folder, value):
-    path = EVAL.format(folder)
-    code, _, err = run_in_process(monkeypatch, capsys, path, "--micro-batch", value)
+@pytest.mark.parametrize("args, message", [
+    (["--replicate", "3"], "--replicate 3 must divide the 4 ranks, and --batch-size 8 be a "
+                           "multiple of them"),
+    (["--batch-size", "6"], "--replicate 2 must divide the 4 ranks, and --batch-size 6 be a "
+                            "multiple of them"),
+    (["--steps", "0"], "need --replicate, --steps, --batch-size, --save-every >= 1, --timeout > 0"),
+    (["--fault-step", "7"], "need 0 <= --fault-step <= --steps and --fault-rank in -4..3"),
+])
+def test_bad_input(monkeypatch, capsys, folder, args, message):
+    path = GUARD.format(folder)
+    code, _, err = run_in_process(monkeypatch, capsys, path, *args, env={"WORLD_SIZE": "4"})
     lines = err.strip().splitlines()
     assert code == 2 and lines[0].startswith("usage:")
-    assert lines[-1] == "ex06_eval.py: error: need --micro-batch >= 1"
+    assert lines[-1] == f"ex06_hsdp_guard.py: error: {message}"

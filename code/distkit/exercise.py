@@ -193,7 +193,7 @@ class Runner:
         self.ex, self.script, self.nproc, self.tmp = ex, script, nproc, tmp
         self.runs = runs if runs is not None else []
         self.count = 0
-        self.stdout = ""
+        self.stdout, self.returncode = "", None  # the last launch's output and exit status
 
     def __call__(self, *args) -> dict:
         self.count += 1
@@ -209,7 +209,7 @@ class Runner:
             stop_launch(proc, 10, drain=True)
             raise Fail(f"the launch did not end within {self.ex.timeout:.0f} s "
                        "(a rank waiting in a collective the others never call?)") from None
-        self.stdout = stdout
+        self.stdout, self.returncode = stdout, proc.returncode  # a check may need either
         if out.exists():  # a script that asserts at its end wrote its results first: the
             res = json.loads(out.read_text())  # checks name what failed, with numbers
             self.runs.append((self.nproc, res, stdout))
