@@ -1,10 +1,12 @@
-"""`make lab` shows every diagram. The server `make lab` starts answers 200 for each image a
-notebook references (it served notebooks/, so ../images/ lay outside its root: every image 404),
-and in headless Chromium one notebook, opened in JupyterLab, shows each of its diagrams (the
-browser resolves the links itself); a screenshot is saved in build/lab-screenshots/."""
+"""`make lab` shows every diagram. The server `make lab` starts (one for this module, on a free
+port) answers 200 for each image a notebook references (it served notebooks/, so ../images/ lay
+outside its root: every image 404). And headless Chromium (as in test_site.py; skipped where it
+is missing), driven over its DevTools pipe, opens one notebook in that JupyterLab and finds every
+image loaded, with the links resolved by JupyterLab itself; a screenshot is saved in
+build/lab-screenshots/. Opening the notebook starts no kernel and saves nothing.
+"""
 import base64
 import fcntl
-import hashlib
 import http.client
 import json
 import os
@@ -254,5 +256,5 @@ def test_jupyterlab_shows_a_notebooks_diagrams(lab, tmp_path):
     assert diagrams == expected, (diagrams, expected)
     assert len(images) > len(diagrams)  # the stored plots too (data: URLs)
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000, "no screenshot"
-    assert get(port, "/api/kernels", token)[2] == b"[]", "opening the notebook started a kernel"
+    assert json.loads(get(port, "/api/kernels", token)[2]) == [], "opening it started a kernel"
     assert (ROOT / "notebooks" / NOTEBOOK).read_bytes() == stored, "JupyterLab saved the notebook"
