@@ -41,8 +41,6 @@ DIRECT = {
                            (0, "all-reduce through rank 0")),
     "starter_mean_help": ("exercises/ex00_global_mean.py", ["--help"], {},
                           (0, "the exact mean over all ranks")),
-    "starter_halves_help": ("exercises/ex00_allreduce_from_halves.py", ["--help"], {},
-                            (0, "all_reduce from its two halves")),
     # run to the first TODO on one process: stops there, saying what is missing
     "starter_naive_todo": ("exercises/ex00_naive_allreduce.py", ["--numel", 8], ONE_RANK,
                            (1, "ex00_naive_allreduce.py:41: rank 0: receive")),
