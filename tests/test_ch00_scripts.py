@@ -46,6 +46,8 @@ DIRECT = {
                            (1, "ex00_naive_allreduce.py:41: rank 0: receive")),
     "starter_mean_todo": ("exercises/ex00_global_mean.py", [], ONE_RANK,
                           (1, "ex00_global_mean.py:36: (a) mean_of_means")),
+    "starter_halves_todo": ("exercises/ex00_allreduce_from_halves.py", [], ONE_RANK,
+                            (1, "ex00_allreduce_from_halves.py:41: pad x: shard =")),
 }
 
 

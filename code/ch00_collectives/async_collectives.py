@@ -106,13 +106,22 @@ print_ranks(f"{type(work).__name__} handle; is_completed() right after the call:
 buf = torch.zeros_like(x)  # zeros stay zeros however often we sum them; the speed is the same
 first = timed({"all_reduce": lambda: dist.all_reduce(buf), "matmul": lambda: compute(1)},
               args.repeats)
-# Size the work to last about as long as the all-reduce; every rank must run the same count.
-steps = torch.tensor([max(1, round(first["all_reduce"] / first["matmul"]))], device=env.device)
-dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-steps = int(steps.item())
-t_sleep = steps * first["matmul"]  # the sleep lasts as long as the matmuls should
+t_comm = first["all_reduce"]
+
+
+def same_steps(steps: float) -> int:  # every rank must run the same count: the largest
+    steps = torch.tensor([max(1, round(steps))], device=env.device)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    return int(steps.item())
+
+
+# Size the work to last about as long as the all-reduce, in two tries: in a loop, each matmul ran
+# 3 to 8 times slower than one timed alone (two runs on a busy 2-core machine), so time the first
+# guess and scale it once.
+steps = same_steps(t_comm / first["matmul"])
+steps = same_steps(steps * t_comm / timed({"matmuls": lambda: compute(steps)}, 3)["matmuls"])
 busy = lambda: compute(steps)      # needs the CPU, as gloo's own threads do
-idle = lambda: time.sleep(t_sleep)  # needs no CPU: stands for a GPU kernel, or I/O
+idle = lambda: time.sleep(t_comm)  # needs no CPU: stands for a GPU kernel, or I/O
 times = timed({"all_reduce": lambda: dist.all_reduce(buf),
                "matmuls": busy,
                "all_reduce, then matmuls": lambda: sequential(buf, busy),
@@ -121,9 +130,9 @@ times = timed({"all_reduce": lambda: dist.all_reduce(buf),
                "all_reduce, then sleep": lambda: sequential(buf, idle),
                "sleep during all_reduce": lambda: overlapped(buf, idle)}, args.repeats)
 
-print0(f"all_reduce of {buf.numel() * 4 / 2**20:.3g} MiB on {n} ranks ({env.backend}), "
-       f"{steps} matmuls {args.dim}x{args.dim} or a sleep as long; median of {args.repeats} "
-       f"rounds, slowest rank:")
+print0(f"all_reduce of {buf.numel() * 4 / 2**20:.3g} MiB on {n} ranks ({env.backend}); work "
+       f"sized to last as long: {steps} matmuls {args.dim}x{args.dim}, or a sleep of "
+       f"{t_comm * 1e3:.0f} ms; median of {args.repeats} rounds, slowest rank:")
 for name, t in times.items():
     print0(f"  {name:<28} {t * 1e3:7.2f} ms")
 for work in ("matmuls", "sleep"):
@@ -137,5 +146,6 @@ checks = [None] * n
 dist.all_gather_object(checks, {"completed_at_start": started, "completed_after_wait": after_wait,
                                 "completed_after_sync": done, "correct": correct})
 write_json(args.json, {"world_size": n, "backend": env.backend, "bytes": buf.numel() * 4,
-                       "steps": steps, "dim": args.dim, "checks": checks, "times": times})
+                       "steps": steps, "sleep_s": t_comm, "dim": args.dim, "checks": checks,
+                       "times": times})
 teardown()

@@ -67,8 +67,11 @@ loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last
 comm = CommLog.attach(model) if args.log_comm else None  # PLUS: measurement only
 
 first_epoch, losses = 0, []
-if args.resume:  # PLUS: every rank loads the same file, onto its own device
-    ckpt = torch.load(args.resume, map_location=env.device, weights_only=True)
+if args.resume:  # PLUS: every rank reads the same file; load_state_dict copies it to its device
+    # map_location="cpu", not the GPU: AdamW's step counters then stay on the CPU, as in a fresh
+    # run (a counter loaded onto the GPU stays there, and AdamW reads it with .item(): a host
+    # sync per tensor per step), and the GPU never holds a second copy of the training state.
+    ckpt = torch.load(args.resume, map_location="cpu", weights_only=True)
     model.module.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     first_epoch, losses = ckpt["epoch"], ckpt["losses"]

@@ -69,6 +69,24 @@ def global_mean(run):
            "is it the mean of the ranks' means, or the exact mean again?")
 
 
+@exercise("00.3", "ch00_collectives/exercises/ex00_allreduce_from_halves.py")
+def allreduce_from_halves(run):
+    numel = 1001  # a multiple of neither 2 nor 3: the padding matters at both sizes
+    res = run("--numel", str(numel))
+    N = run.nproc
+    shard = -(-numel // N)
+    yield (res["shard"] == shard and res["padding"] == shard * N - numel,
+           f"shard = ceil({numel} / {N}) = {shard} elements, padding {shard * N - numel}",
+           f"shard is {res['shard']} elements and padding {res['padding']}: the fewest elements "
+           f"per rank that hold {numel} between {N} ranks is {shard}")
+    yield (all(c["slice"] for c in res["checks"]),
+           "each rank's slice after reduce_scatter_single = its slice of the sum",
+           "a rank's slice after the reduce-scatter differs from its slice of the padded sum")
+    yield (all(c["equal"] for c in res["checks"]), "the result = dist.all_reduce's, on every rank",
+           "the result differs from dist.all_reduce's (its size, or its values): is the padding "
+           "cut off?")
+
+
 @exercise("01.1", "ch01_ddp/exercises/ex01_manual_ddp.py")
 def manual_ddp(run):
     b, samples = 8, 64

@@ -53,8 +53,16 @@ RUNS = [
     Run("ch00 async collectives", 0, "ch00_collectives/async_collectives.py"),
     Run("ch00 ring all-reduce", 0, "ch00_collectives/ring_allreduce.py"),
     Run("ch01 DDP", 2, "ch01_ddp/train_ddp.py", ("--epochs", "1", "--samples", "64")),
+    # the parity reference runs on the GPU too (one plain process), like the DDP runs
+    Run("ch01 single-process reference", 1, "ch01_ddp/train_single.py",
+        ("--epochs", "1", "--samples", "64"), torchrun=False),
     Run("ch01 DDP accumulation", 2, "ch01_ddp/train_ddp_plus.py",
-        ("--epochs", "1", "--samples", "64", "--accum", "2", "--log-comm")),
+        ("--epochs", "1", "--samples", "64", "--accum", "2", "--log-comm",
+         "--save", "{out}/epoch{epoch}.pt"), expect="epoch1.pt"),
+    # every rank loads that checkpoint (map_location="cpu", then onto its own GPU) and goes on
+    Run("ch01 DDP resume", 2, "ch01_ddp/train_ddp_plus.py",
+        ("--epochs", "2", "--samples", "64", "--accum", "2",
+         "--resume", "{out}/../ch01_DDP_accumulation/epoch1.pt")),
     Run("ch01 DDP buckets", 2, "ch01_ddp/ddp_buckets.py", ("--steps", "2")),
     Run("ch01 DDP memory", 2, "ch01_ddp/ddp_memory.py"),
     # its default cases include SyncBatchNorm (on GPU it really runs) and Join's uneven inputs

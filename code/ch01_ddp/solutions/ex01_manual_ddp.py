@@ -44,7 +44,9 @@ if args.samples < world * args.batch_size:
 
 
 env = setup()
-torch.manual_seed(env.rank)  # deliberately different initial weights on every rank...
+# Deliberately different initial weights on every rank... Rank 0's seed, 0, is train_single.py's
+# default: after the broadcast every rank holds the weights the one-process reference starts from.
+torch.manual_seed(env.rank)
 model = tiny_llama().to(env.device)
 params, buffers = list(model.parameters()), list(model.buffers())
 identical = {"start": same_on_all_ranks(params)}
