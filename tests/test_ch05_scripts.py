@@ -255,6 +255,7 @@ def test_a_commit_uses_rank0s_listing(tmp_path, monkeypatch):
                                                  "__1_0.distcp"]] * 2
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
 def test_read_log_names_the_rows_and_the_file_each_piece_is_read_from(tmp_path):
     """What a load reads is the planner's choice (.metadata says only what was saved): a
     128-row tensor saved as two row shards by 2 ranks, loaded whole by one process, is read as
