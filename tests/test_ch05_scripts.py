@@ -13,11 +13,15 @@ import queue
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import distkit.ckpt as ckpt_module
 from conftest import run_in_process, run_launcher, run_papermill
-from distkit.ckpt import MANIFEST, CheckpointDir, read_manifest
+from distkit.ckpt import MANIFEST, CheckpointDir, ReadLog, read_manifest
 
 
 @pytest.mark.parametrize("args, env, message", [
@@ -249,6 +253,32 @@ def test_a_commit_uses_rank0s_listing(tmp_path, monkeypatch):
 
     assert on_two_ranks(tmp_path, scenario) == [[".metadata", "__0_0.distcp",
                                                  "__1_0.distcp"]] * 2
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
+def test_read_log_names_the_rows_and_the_file_each_piece_is_read_from(tmp_path):
+    """What a load reads is the planner's choice (.metadata says only what was saved): a
+    128-row tensor saved as two row shards by 2 ranks, loaded whole by one process, is read as
+    rows 0-63 from rank 0's file and rows 64-127 from rank 1's; a key no tensor ends in reads
+    nothing, and says so."""
+    rows = torch.arange(128 * 4, dtype=torch.float32).view(128, 4)
+
+    def scenario(rank):
+        mesh = init_device_mesh("cpu", (2,))
+        dcp.save({"model": {"embed.weight": distribute_tensor(rows, mesh, [Shard(0)])}},
+                 checkpoint_id=tmp_path / "ckpt")
+        return rank
+
+    on_two_ranks(tmp_path, scenario)
+    whole = {"model": {"embed.weight": torch.zeros(128, 4)}}
+    log = ReadLog("embed.weight")
+    dcp.load(whole, checkpoint_id=tmp_path / "ckpt", planner=log, no_dist=True)
+    assert torch.equal(whole["model"]["embed.weight"], rows)
+    assert log.report() == ["rank 0: rows 0-63 from __0_0.distcp, rows 64-127 from __1_0.distcp"]
+    typo = ReadLog("embed.weights")
+    dcp.load({"model": {"embed.weight": torch.zeros(128, 4)}}, checkpoint_id=tmp_path / "ckpt",
+             planner=typo, no_dist=True)
+    assert typo.report() == []
 
 
 def test_latest_of_an_empty_or_missing_folder_is_none(tmp_path):

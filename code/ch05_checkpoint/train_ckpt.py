@@ -36,8 +36,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from distkit import print0, seed_everything, setup, teardown, write_json
-from distkit.ckpt import (AppState, CheckpointDir, RNGState, Stager, read_manifest,  # NEW
-                          state_digest)
+from distkit.ckpt import (AppState, CheckpointDir, ReadLog, RNGState, Stager,  # NEW
+                          read_manifest, state_digest)
 from distkit.toy import counting_data, tiny_llama, warmup_cosine
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -55,6 +55,9 @@ parser.add_argument("--async", dest="async_save", action="store_true",
 parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                     help="NEW: start from the newest good checkpoint in --ckpt-dir, "
                          "or from the checkpoint folder given")
+parser.add_argument("--show-reads", metavar="KEY",
+                    help="NEW: on resume, print which rows of the tensor KEY (e.g. "
+                         "model.embed_tokens.weight) each rank reads, and from which file")
 args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))  # every rank needs at least one batch
 if args.batch_size < 1 or args.samples < world * args.batch_size:
@@ -150,10 +153,16 @@ if start:
     # more ranks than saved them, a rank finds none of its own, so they are loaded apart, with a
     # planner that lets a key be absent (it then keeps its value); model, AdamW and progress
     # must all be there.
-    dcp.load({k: state[k] for k in ("app", "progress")}, checkpoint_id=start)
+    reads = ReadLog(args.show_reads) if args.show_reads else None  # (default planner + a log)
+    dcp.load({k: state[k] for k in ("app", "progress")}, checkpoint_id=start, planner=reads)
     dcp.load({"rng": state["rng"]}, checkpoint_id=start,
              planner=DefaultLoadPlanner(allow_partial_load=True))
     resumed_from = progress.step
+    if reads:  # NEW (--show-reads): what each rank's planner chose to read, and from where
+        if not (report := reads.report()):  # (collective: the same answer on every rank)
+            raise SystemExit(f"train_ckpt.py: --show-reads: no tensor {args.show_reads} in "
+                             f"{start}")
+        print0(f"what each rank reads of {args.show_reads}:", *report, sep="\n  ")
     print0(f"attempt {restart}: resumed from {os.path.basename(start)} (step {progress.step}) "
            f"on {env.world_size} rank(s); loaded == saved: "
            f"{state_digest(model, optimizer) == read_manifest(start).get('digest')}")

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
@@ -112,6 +114,13 @@ class Stager(DefaultStager):
         self._last: set[int] = set()
 
     def stage(self, state_dict, **kwargs):
+        stream = getattr(self, "_staging_stream", None)  # DefaultStager's side stream (a GPU)
+        if stream is not None:
+            # The copies run on that stream, from a thread, and torch 2.13's DefaultStager
+            # (staging.py, _stage) orders them after nothing: without this, they could read the
+            # weights before the optimizer step still queued on the training stream has written
+            # them. An event wait on the GPU, the host does not block.
+            stream.wait_stream(torch.accelerator.current_stream())
         future = super().stage(state_dict, **kwargs)
         future.add_done_callback(self._measure)  # runs in the staging thread
         return future
@@ -127,6 +136,40 @@ class Stager(DefaultStager):
         self.host_bytes.append({"bytes": sum(storages.values()),
                                 "reused": sum(n for p, n in storages.items() if p in self._last)})
         self._last = set(storages)
+
+
+class ReadLog(DefaultLoadPlanner):
+    """DCP's default load planner, which also notes what this rank reads of one tensor: for
+    each piece, its rows of the global tensor and the file they come from. (`.metadata` says
+    what was saved, not what a loader reads: that is decided here, by the planner, from the
+    loading rank's own shard.) `key` ends the flattened key: "model.embed_tokens.weight"."""
+
+    def __init__(self, key: str, **kwargs):
+        super().__init__(**kwargs)
+        self.key, self.reads = key, []
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        for item in plan.items:
+            fqn, where = item.storage_index.fqn, item.storage_index
+            if item.type == LoadItemType.TENSOR and (fqn == self.key or
+                                                     fqn.endswith("." + self.key)):
+                file = self.metadata.storage_data[where].relative_path
+                if not item.lengths:  # a 0-d tensor (a step counter): all of it
+                    self.reads.append((fqn, "all", file))
+                    continue
+                first = where.offset[0] + item.storage_offsets[0]  # a row of the global tensor
+                self.reads.append((fqn, f"rows {first}-{first + item.lengths[0] - 1}", file))
+        return plan
+
+    def report(self) -> list[str]:
+        """One line per rank, in rank order, the same list on every rank (a collective); []
+        when no rank read any piece of such a tensor (no key ends in `key`)."""
+        every = _gathered(self.reads)
+        if not any(every):
+            return []
+        return [f"rank {r}: " + (", ".join(f"{what} from {file}" for _, what, file in reads)
+                                 or "nothing") for r, reads in enumerate(every)]
 
 
 def saved_keys(path: str | os.PathLike) -> set[str]:
