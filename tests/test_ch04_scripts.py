@@ -52,7 +52,7 @@ def test_meta_init_on_four_ranks_matches_one_process(tmp_path):
     assert res["world_size"] == 4
     assert res["fixed"]["losses_match"] and res["fixed"]["inv_freq_ok_all"]
     assert res["forgotten_nan"]["inv_freq_nan_all"] and not res["forgotten_nan"]["losses_match"]
-    assert "fixed (NaN-filled)     : rotary inv_freq right on every rank: True;" in out
+    assert "fixed (NaN-filled)    : rotary inv_freq right on every rank: True;" in out
 
 
 @pytest.mark.second_nproc
