@@ -76,8 +76,8 @@ def test_idle_fractions_and_breakdown():
     spans = [[("F", 0, 0.0, 1.0), ("B", 0, 4.0, 6.0)], [("F", 0, 2.0, 3.0), ("B", 0, 3.0, 4.0)]]
     assert idle_fractions(spans) == pytest.approx([0.5, 4 / 6])
     rank0, rank1 = idle_breakdown(spans)
-    assert rank0 == pytest.approx({"bubble": 3 / 6, "transfer": 0.0})
-    assert rank1 == pytest.approx({"bubble": 3 / 6, "transfer": 1 / 6})
+    assert rank0 == pytest.approx({"wait_compute": 3 / 6, "wait_transfer": 0.0})
+    assert rank1 == pytest.approx({"wait_compute": 3 / 6, "wait_transfer": 1 / 6})
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -53,7 +53,7 @@ sampler = RandomSampler(data, generator=shuffle)
 loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 hidden_shape = (args.batch_size, data.tensors[0].shape[1], model.config.hidden_size)
 
-timeline = Timeline(cuda=env.device.type == "cuda")  # NEW: when this rank computes (GPU: synced)
+timeline = Timeline(cuda=env.device.type == "cuda")  # NEW: when this rank computes (CUDA events)
 timeline.start()
 sent = 0  # NEW: bytes this rank sends to its neighbours
 losses = []

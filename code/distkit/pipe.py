@@ -67,37 +67,58 @@ class Timeline:
     (and NTP keeps within a millisecond or so across machines), counted from rank 0's `start()`.
     Each rank's own clock after a barrier would not do: ranks leave a barrier up to several
     milliseconds apart (measured here on CPU/gloo), which would shift whole timelines.
-    On a GPU, kernels run after the Python call that queues them returns: with `cuda=True` each
-    span waits for the GPU (torch.cuda.synchronize) at its start and end, so it times the work,
-    not its queueing (and serialises what would overlap: fine for a timeline, not for speed).
+    On a GPU, kernels run after the Python call that queues them returns, so a span is timed
+    with CUDA events recorded on the current stream at its start and end: they mark when the
+    GPU reached that point, without making the CPU wait (torch.cuda.synchronize around every
+    span would serialise the host with the device, and would also wait for the NCCL kernels of
+    the sends and receives, on their own stream). A recv's wait() makes the compute stream wait
+    for the NCCL stream, so a span's start event fires when its input has arrived. `gather()`
+    synchronises once and turns the events into seconds on the shared clock, from an event
+    recorded at `start()` while the GPU was idle.
     """
 
     def __init__(self, cuda: bool = False):
         self.cuda = cuda
         self.t0 = time.time()
         self.spans: list[tuple[str, int, float, float]] = []
+        self.pending: list[tuple] = []  # CUDA: (kind, micro-batch, start event, end event)
 
     def start(self) -> None:
         box = [time.time()]
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)  # also a barrier: nobody starts before rank 0
         self.t0 = box[0]
-        self.spans = []
+        self.spans, self.pending = [], []
+        if self.cuda:  # the GPU's clock, pinned to the shared one while the GPU is idle
+            torch.cuda.synchronize()
+            self.ref = torch.cuda.Event(enable_timing=True)
+            self.ref.record()
+            self.ref_s = time.time() - self.t0
 
     @contextmanager
     def span(self, kind: str, microbatch: int = 0):
         if self.cuda:
-            torch.cuda.synchronize()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self.pending.append((kind, microbatch, begin, end))
+            return
         begin = time.time()
         try:
             yield
         finally:
-            if self.cuda:
-                torch.cuda.synchronize()
             self.spans.append((kind, microbatch, begin - self.t0, time.time() - self.t0))
 
     def gather(self) -> list[list[tuple]] | None:
         """Every rank's spans, on rank 0 (None elsewhere). Collective: all ranks call it."""
+        if self.cuda:
+            torch.cuda.synchronize()  # every event has fired: their times can be read
+            at = lambda event: self.ref_s + self.ref.elapsed_time(event) / 1e3  # ms -> s
+            self.spans += [(kind, mb, at(b), at(e)) for kind, mb, b, e in self.pending]
+            self.pending = []
         spans = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(self.spans, spans, dst=0)
         return spans
@@ -188,12 +209,13 @@ class SavedActivations:
 def idle_breakdown(spans_per_rank: list[list[tuple]]) -> list[dict]:
     """Per rank, its idle time split by what it waited for, as fractions of the run:
 
-    - "bubble": waiting for work that another stage had not finished yet (forward i needs
+    - "wait_compute": waiting for work that another stage had not finished yet (forward i needs
       stage r-1's forward i; backward i needs stage r+1's backward i), and, after its last
-      span, for the other stages to finish. The formula (p-1)/(m+p-1) counts this kind of
-      waiting; here it also holds delays passed on from upstream (a stage that waited for a
-      transfer finishes later, and its successor waits for it as for a bubble).
-    - "transfer": the rest: waiting after the needed work was done, while the result
+      span, for the other stages to finish. The bubble of the formula (p-1)/(m+p-1) is waiting
+      of this kind, but this also holds delays passed on from upstream (a stage that waited for
+      a transfer finishes later, and its successor waits for it as for compute), so it is not
+      the formula's bubble alone.
+    - "wait_transfer": the rest: waiting after the needed work was done, while the result
       travelled (send, receive, waking up), and gaps with no producer (the schedule's own
       bookkeeping, waiting for a send to complete).
     """
@@ -215,5 +237,6 @@ def idle_breakdown(spans_per_rank: list[list[tuple]]) -> list[dict]:
             bubble += wait - moving
             prev = max(prev, stop)
         bubble += end - prev  # drained: nothing left to do on this stage
-        out.append({"bubble": bubble / (end - begin), "transfer": transfer / (end - begin)})
+        out.append({"wait_compute": bubble / (end - begin),
+                    "wait_transfer": transfer / (end - begin)})
     return out
