@@ -217,3 +217,23 @@ def check_results(out) -> None:
     assert max(abs(train["a"][s] - train["b"][s]) for s in steps) < 5e-3
     assert sorted(evals["b"]) == sorted(evals["a"])
     assert max(abs(evals["a"][s] - evals["b"][s]) for s in evals["a"]) < 5e-3
+
+
+@pytest.mark.parametrize("head_dim", [None, 32])
+def test_flops_per_token_reads_head_dim(head_dim):
+    """MFU's FLOPs under --model-path: a config whose head_dim is not hidden / heads (Qwen3,
+    Mistral-Nemo) has q/k/v/o matrices of heads x head_dim columns; the matmul weights of a
+    meta-device model equal the formula's, and so does attention's 12 L H Q T term."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from distkit.memory import flops_per_token, matmul_params
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=head_dim)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    q = head_dim or 64 // 4
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (4 * q, 64)
+    assert matmul_params(config) == matmul
+    assert flops_per_token(config, 32) == 6 * matmul + 12 * 2 * 4 * q * 32
