@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CODE, ROOT, run_in_process, run_launcher, run_ok, run_papermill
+from conftest import (CODE, ROOT, run_in_process, run_launcher, run_ok, run_papermill,
+                      run_parameter_check)
 from distkit.ckpt import CheckpointDir
 
 sys.path.insert(0, str(CODE / "ch06_capstone"))
@@ -154,7 +155,8 @@ def test_fine_tune_with_cluster_options_until_a_nan(exported):
     assert "bf16" in proc.stdout and "HSDP: 2 replicas x 1 shards" in proc.stdout
     n = int(re.search(r"(\d+) training sequences", proc.stdout)[1])
     steps = round(0.2 * (n // 8))  # --epochs 0.2 of n // 8 steps
-    assert steps > 4 and f"this run: {steps * 8 / n:.3g} epoch(s)" in proc.stdout
+    assert steps > 4 and (f"this run: {steps} optimizer steps x 8 sequences = "
+                          f"{steps * 8 / n:.3g} epoch(s)") in proc.stdout
     ckpt = CheckpointDir(out / "checkpoints")
     assert [p.name for p in ckpt.committed()] == ["step_000002", "step_000003"]
     assert ckpt.problem(ckpt.committed()[-1]) is None
@@ -186,6 +188,20 @@ def test_every_option_runs(monkeypatch, capsys):
     assert {"--replicate", "--ac", "--compile", "--async-save"} <= options
     never = sorted(o for o in options if not any(f'"{o}"' in src for src in runs))
     assert never == sorted(NOT_RUN_HERE)
+
+
+def test_suggested_run_course_parameters_pass_the_check(tmp_path, monkeypatch):
+    """The README suggests `python -m distkit.run_course -p NPROC=4` for every notebook: this
+    notebook's BATCH and MICRO follow NPROC unless given, so its check passes (with BATCH 16 and
+    MICRO 8 fixed it failed: 16 is no multiple of 8 x 4). NPROC 3 too (BATCH 18, MICRO 3)."""
+    suggested = re.findall(r"distkit\.run_course((?:\s+-p\s+\w+=\S+)+)",
+                           (ROOT / "README.md").read_text())
+    assert suggested
+    cases = [dict(re.findall(r"-p\s+(\w+)=(\d+)", options)) for options in suggested]
+    for i, values in enumerate([*cases, {"NPROC": "3"}]):
+        (tmp_path / str(i)).mkdir()
+        run_parameter_check(NOTEBOOK, {k: int(v) for k, v in values.items()}, tmp_path / str(i),
+                            monkeypatch)
 
 
 @pytest.mark.second_nproc
