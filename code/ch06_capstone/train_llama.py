@@ -63,9 +63,9 @@ PRESETS = {
 # Dense bf16 tensor-core peaks (no 2:4 sparsity) from the vendors' datasheets, FLOP/s per GPU;
 # the first name contained in torch.cuda.get_device_name() wins. Others: --peak-tflops.
 PEAK_BF16_FLOPS = {"H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
-                   "H200 NVL": 835e12, "H200": 989e12, "GH200": 989e12, "B200": 2250e12,
-                   "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
-                   "A10": 125e12, "MI300X": 1307e12}
+                   "H200 NVL": 835e12, "H200": 989e12, "GH200": 989e12, "GB200": 2500e12,
+                   "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12,
+                   "L4": 121e12, "A10": 125e12, "MI300X": 1307e12}  # GB200 before B200
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 g = p.add_argument_group("model")
