@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CODE, ROOT, run_in_process, run_launcher, run_ok, run_papermill
+from conftest import (CODE, ROOT, run_in_process, run_launcher, run_ok, run_papermill,
+                      run_parameter_check)
 from distkit.ckpt import CheckpointDir
 
 sys.path.insert(0, str(CODE / "ch06_capstone"))
@@ -154,7 +155,8 @@ def test_fine_tune_with_cluster_options_until_a_nan(exported):
     assert "bf16" in proc.stdout and "HSDP: 2 replicas x 1 shards" in proc.stdout
     n = int(re.search(r"(\d+) training sequences", proc.stdout)[1])
     steps = round(0.2 * (n // 8))  # --epochs 0.2 of n // 8 steps
-    assert steps > 4 and f"this run: {steps * 8 / n:.3g} epoch(s)" in proc.stdout
+    assert steps > 4 and (f"this run: {steps} optimizer steps x 8 sequences = "
+                          f"{steps * 8 / n:.3g} epoch(s)") in proc.stdout
     ckpt = CheckpointDir(out / "checkpoints")
     assert [p.name for p in ckpt.committed()] == ["step_000002", "step_000003"]
     assert ckpt.problem(ckpt.committed()[-1]) is None
@@ -188,6 +190,20 @@ def test_every_option_runs(monkeypatch, capsys):
     assert never == sorted(NOT_RUN_HERE)
 
 
+def test_suggested_run_course_parameters_pass_the_check(tmp_path, monkeypatch):
+    """The README suggests `python -m distkit.run_course -p NPROC=4` for every notebook: this
+    notebook's BATCH and MICRO follow NPROC unless given, so its check passes (with BATCH 16 and
+    MICRO 8 fixed it failed: 16 is no multiple of 8 x 4). NPROC 3 too (BATCH 18, MICRO 3)."""
+    suggested = re.findall(r"distkit\.run_course((?:\s+-p\s+\w+=\S+)+)",
+                           (ROOT / "README.md").read_text())
+    assert suggested
+    cases = [dict(re.findall(r"-p\s+(\w+)=(\d+)", options)) for options in suggested]
+    for i, values in enumerate([*cases, {"NPROC": "3"}]):
+        (tmp_path / str(i)).mkdir()
+        run_parameter_check(NOTEBOOK, {k: int(v) for k, v in values.items()}, tmp_path / str(i),
+                            monkeypatch)
+
+
 @pytest.mark.second_nproc
 def test_notebook_at_three_processes(tmp_path):
     """The chapter at N = 3 (global batch 24, micro-batches of 4: 1, 2 and 3 ranks divide it)."""
@@ -217,3 +233,23 @@ def check_results(out) -> None:
     assert max(abs(train["a"][s] - train["b"][s]) for s in steps) < 5e-3
     assert sorted(evals["b"]) == sorted(evals["a"])
     assert max(abs(evals["a"][s] - evals["b"][s]) for s in evals["a"]) < 5e-3
+
+
+@pytest.mark.parametrize("head_dim", [None, 32])
+def test_flops_per_token_reads_head_dim(head_dim):
+    """MFU's FLOPs under --model-path: a config whose head_dim is not hidden / heads (Qwen3,
+    Mistral-Nemo) has q/k/v/o matrices of heads x head_dim columns; the matmul weights of a
+    meta-device model equal the formula's, and so does attention's 12 L H Q T term."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from distkit.memory import flops_per_token, matmul_params
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=head_dim)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    q = head_dim or 64 // 4
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (4 * q, 64)
+    assert matmul_params(config) == matmul
+    assert flops_per_token(config, 32) == 6 * matmul + 12 * 2 * 4 * q * 32

@@ -2,7 +2,8 @@
 
     code/run_w_torchrun.sh 2 ch06_capstone/train_llama.py --max-steps 100 --out build/ch06/run
     code/run_w_torchrun.sh 8 ch06_capstone/train_llama.py --preset llama-1b --text /data/*.txt \
-        --vocab-size 32000 --seq-len 2048 --batch-size 256 --micro-batch 4 --out /scratch/run1 --resume
+        --vocab-size 32000 --seq-len 2048 --batch-size 256 --micro-batch 4 --eval-sequences 512 \
+        --out /scratch/run1 --resume
 
 One file, one loop, no framework: everything chapters 01-05 taught, in the order a step needs
 it. The model is a transformers LlamaForCausalLM built from a preset config (or loaded with
@@ -62,9 +63,9 @@ PRESETS = {
 # Dense bf16 tensor-core peaks (no 2:4 sparsity) from the vendors' datasheets, FLOP/s per GPU;
 # the first name contained in torch.cuda.get_device_name() wins. Others: --peak-tflops.
 PEAK_BF16_FLOPS = {"H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
-                   "H200 NVL": 835e12, "H200": 989e12, "GH200": 989e12, "B200": 2250e12,
-                   "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
-                   "A10": 125e12, "MI300X": 1307e12}
+                   "H200 NVL": 835e12, "H200": 989e12, "GH200": 989e12, "GB200": 2500e12,
+                   "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12,
+                   "L4": 121e12, "A10": 125e12, "MI300X": 1307e12}  # GB200 before B200
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 g = p.add_argument_group("model")
@@ -111,13 +112,17 @@ g.add_argument("--sync-every-microbatch", action="store_true",
                help="reduce-scatter gradients after every micro-batch: more communication, but "
                     "no unsharded gradients of the whole model kept between micro-batches")
 g.add_argument("--max-steps", type=int, metavar="N",
-               help="optimizer steps to train (default: --epochs passes over the data)")
-g.add_argument("--epochs", type=float, default=1.0, help="(default %(default)s)")
+               help="optimizer steps to train (default: --epochs passes over the data); "
+                    "--warmup and the --*-every options count optimizer steps too, never "
+                    "micro-batches")
+g.add_argument("--epochs", type=float, default=1.0,
+               help="passes over the training sequences, when --max-steps is not given "
+                    "(default %(default)s)")
 g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default %(default)s)")
 g.add_argument("--min-lr", type=float, default=3e-4,
                help="learning rate at the last step (default %(default)s)")
 g.add_argument("--warmup", type=int, metavar="STEPS", default=20,
-               help="steps of linear warm-up (default %(default)s)")
+               help="optimizer steps of linear warm-up (default %(default)s)")
 g.add_argument("--weight-decay", type=float, default=0.1,
                help="AdamW's, on matrices only (default %(default)s)")
 g.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95), metavar=("B1", "B2"),
@@ -129,11 +134,13 @@ g = p.add_argument_group("evaluation, checkpoints, output")
 g.add_argument("--out", metavar="DIR", default="build/ch06/run",
                help="metrics, checkpoints and the export go here (default %(default)s)")
 g.add_argument("--eval-every", type=int, metavar="STEPS", default=50,
-               help="steps between held-out evaluations (default %(default)s)")
+               help="optimizer steps between held-out evaluations (default %(default)s)")
 g.add_argument("--eval-sequences", type=int, metavar="N",
-               help="evaluate on the first N held-out sequences only (default: all)")
+               help="evaluate on the first N held-out sequences only (default: all; on a large "
+                    "corpus set it, or every evaluation runs the whole held-out 5%%)")
 g.add_argument("--save-every", type=int, metavar="STEPS", default=0,
-               help="steps between checkpoints (default 0: only when stopped by a signal)")
+               help="optimizer steps between checkpoints (default 0: only when stopped by a "
+                    "signal)")
 g.add_argument("--keep", type=int, metavar="N", default=2,
                help="checkpoints to keep (default %(default)s)")
 g.add_argument("--resume", action="store_true",
@@ -142,8 +149,8 @@ g.add_argument("--async-save", action="store_true",
                help="write checkpoints in a background thread (dcp.async_save): the step waits "
                     "only for a copy to host memory; each save is committed once written")
 g.add_argument("--log-every", type=int, metavar="STEPS", default=1,
-               help="steps between metrics rows (default 1); the loss and the stop flag are "
-                    "shared every step anyway, memory is gathered only when logging")
+               help="optimizer steps between metrics rows (default 1); the loss and the stop "
+                    "flag are shared every step anyway, memory is gathered only when logging")
 g.add_argument("--no-export", action="store_true", help="skip the Hugging Face export at the end")
 g.add_argument("--tensorboard", action="store_true",
                help="also log to OUT/tensorboard/ (needs the tensorboard package)")
@@ -208,8 +215,11 @@ folder = corpus.prepare_on_ranks(env.local_rank, args.data_dir, args.vocab_size,
 # (sequences, seq_len) views of the token files, mapped: no rank reads more than it uses
 train_data, heldout = corpus.load(folder, args.seq_len)
 facts = corpus.facts(folder)
-facts["unigram_loss"] = corpus.unigram_loss(folder, heldout)
+# --eval-sequences first: the baseline is scored on the same targets as the model's held-out
+# loss (and, at scale, not on every held-out token by every rank: 5% of a 10 GB corpus is ~1 GB
+# of int64 ids per rank)
 heldout = heldout[:args.eval_sequences]
+facts["unigram_loss"] = corpus.unigram_loss(folder, heldout)
 steps_per_epoch = len(train_data) // args.batch_size
 if steps_per_epoch == 0:
     raise SystemExit(f"train_llama.py: --batch-size {args.batch_size} is more than the "
@@ -433,12 +443,15 @@ if env.rank == 0:
 print0(f"{config.model_type} {args.preset if not args.model_path else args.model_path}: "
        f"{sum(q.numel() for q in model.parameters()):,} parameters, {env.world_size} rank(s) on "
        f"{env.device.type}, {'bf16' if bf16 else 'fp32'}; {len(train_data)} training "
-       f"sequences of {args.seq_len} tokens; steps {max_steps} of {args.batch_size} sequences "
-       f"({accum} micro-batch(es) of {args.micro_batch} per rank per step)"
+       f"sequences of {args.seq_len} tokens"
        + (f"; HSDP: {args.replicate} replicas x {env.world_size // args.replicate} shards"
           if args.replicate > 1 else ""))
-print0(f"this run: {max_steps * args.batch_size / len(train_data):.3g} epoch(s) over "
-       f"{len(train_data) * args.seq_len:,} training tokens")
+# What the run is, in the units every option uses: an optimizer step is --batch-size sequences
+# (all ranks), which each rank runs as `accum` micro-batches (forward + backward) of its share.
+print0(f"this run: {max_steps} optimizer steps x {args.batch_size} sequences = "
+       f"{max_steps * args.batch_size / len(train_data):.3g} epoch(s) over "
+       f"{len(train_data) * args.seq_len:,} training tokens; a step = {accum} micro-batch(es) "
+       f"of {args.micro_batch} sequences on each of {env.world_size} rank(s)")
 
 
 def record(row: dict):
@@ -508,6 +521,8 @@ while progress.step < max_steps:
         # every rank holds unsharded fp32 gradients of the whole model (4 bytes x parameters);
         # --sync-every-microbatch trades that memory for a reduce-scatter per micro-batch.
         model.set_requires_gradient_sync(args.sync_every_microbatch or i == accum - 1)
+        if args.replicate > 1:  # HSDP: reduce-scatter per micro-batch if asked, but the
+            model.set_requires_all_reduce(i == accum - 1)  # all-reduce across nodes once a step
         loss = model(input_ids=x, labels=x).loss / accum  # mean over this rank's share
         if progress.step + 1 == nan_at:
             loss = loss * float("nan")

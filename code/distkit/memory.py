@@ -199,9 +199,17 @@ def matmul_params(config) -> int:
     layer (q, k, v, o, the MLP's three) and the LM head, tied or not; the embedding lookup and
     the norms are no matmuls. `config` as in from_config."""
     c = SimpleNamespace(**config) if isinstance(config, dict) else config
-    h, kv = c.hidden_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
-    layer = 2 * h * h + 2 * h * kv + 3 * h * c.intermediate_size
+    h, q = c.hidden_size, head_dim(c)
+    # q and o: h x (heads x head_dim); k and v: h x (kv heads x head_dim)
+    layer = 2 * h * c.num_attention_heads * q + 2 * h * c.num_key_value_heads * q \
+        + 3 * h * c.intermediate_size
     return c.num_hidden_layers * layer + c.vocab_size * h
+
+
+def head_dim(c) -> int:
+    """The config's head_dim where it has one (Qwen3-0.6B: 128 with hidden 1024 and 16 heads;
+    Mistral-Nemo: 128 with 5120 and 32), else hidden_size / heads (Llama: the same number)."""
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
 
 def flops_per_token(config, seq_len: int) -> int:
@@ -209,9 +217,8 @@ def flops_per_token(config, seq_len: int) -> int:
     forward, 4 in backward) plus attention's scores and weighted sum, 12 L H Q T, counted over the
     full T x T (as is conventional; a causal model needs half). MFU = this x tokens/s / peak."""
     c = SimpleNamespace(**config) if isinstance(config, dict) else config
-    head_dim = c.hidden_size // c.num_attention_heads
     return (6 * matmul_params(config)
-            + 12 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len)
+            + 12 * c.num_hidden_layers * c.num_attention_heads * head_dim(c) * seq_len)
 
 
 def from_config(config) -> dict:
