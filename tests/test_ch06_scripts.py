@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (CODE, ROOT, run_in_process, run_launcher, run_ok, run_papermill,
-                      run_parameter_check)
+from conftest import CODE, ROOT, run_in_process, run_launcher, run_ok, run_papermill
 from distkit.ckpt import CheckpointDir
 
 sys.path.insert(0, str(CODE / "ch06_capstone"))
@@ -188,20 +187,6 @@ def test_every_option_runs(monkeypatch, capsys):
     assert {"--replicate", "--ac", "--compile", "--async-save"} <= options
     never = sorted(o for o in options if not any(f'"{o}"' in src for src in runs))
     assert never == sorted(NOT_RUN_HERE)
-
-
-def test_suggested_run_course_parameters_pass_the_check(tmp_path, monkeypatch):
-    """The README suggests `python -m distkit.run_course -p NPROC=4` for every notebook: this
-    notebook's BATCH and MICRO follow NPROC unless given, so its check passes (with BATCH 16 and
-    MICRO 8 fixed it failed: 16 is no multiple of 8 x 4). NPROC 3 too (BATCH 18, MICRO 3)."""
-    suggested = re.findall(r"distkit\.run_course((?:\s+-p\s+\w+=\S+)+)",
-                           (ROOT / "README.md").read_text())
-    assert suggested
-    cases = [dict(re.findall(r"-p\s+(\w+)=(\d+)", options)) for options in suggested]
-    for i, values in enumerate([*cases, {"NPROC": "3"}]):
-        (tmp_path / str(i)).mkdir()
-        run_parameter_check(NOTEBOOK, {k: int(v) for k, v in values.items()}, tmp_path / str(i),
-                            monkeypatch)
 
 
 @pytest.mark.second_nproc

@@ -96,3 +96,29 @@ def test_suggested_command_passes_the_check(notebook, command, tmp_path, monkeyp
         run_parameter_check(notebook, overrides, tmp_path, monkeypatch)
     except ValueError as e:
         pytest.fail(f"{notebook}: the suggested {command!r} fails its check cell: {e}")
+
+
+# The README's `python -m distkit.run_course -p NAME=VALUE ...`: every notebook gets the values
+RUN_COURSE = re.findall(r"distkit\.run_course((?:\s+-p\s+\w+=\S+)+)",
+                        (ROOT / "README.md").read_text())
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name[:2])
+def test_readme_run_course_parameters_pass_every_notebooks_check(path, tmp_path, monkeypatch):
+    """run_course passes its -p values to every notebook (papermill injects them; a notebook
+    without such a parameter ignores it), so each notebook's check must accept the README's
+    suggestion: `-p NPROC=4` once failed notebook 05 (CRASH_STEP 13 past its 10 steps) and 06
+    (BATCH 16 no multiple of MICRO 8 x 4); both now follow NPROC unless given."""
+    assert RUN_COURSE, "the README no longer suggests a run_course -p command"
+    cell = next(c for c in nbformat.read(path, as_version=4).cells
+                if "parameters" in c.metadata.get("tags", []))
+    names = {}
+    exec(cell.source, names)
+    for i, options in enumerate(RUN_COURSE):
+        values = {k: _resolve_type(v) for k, v in re.findall(r"-p\s+(\w+)=(\S+)", options)
+                  if k in names}
+        (tmp_path / str(i)).mkdir()
+        try:
+            run_parameter_check(path.name, values, tmp_path / str(i), monkeypatch)
+        except ValueError as e:
+            pytest.fail(f"{path.name}: the README's run_course{options} fails its check: {e}")
