@@ -25,7 +25,9 @@ import papermill
 from jupyter_client.manager import AsyncKernelManager
 
 ROOT = Path(__file__).resolve().parents[2]
-GUESS_S = 150  # seconds per notebook on a 2-core laptop, until a run here has measured them
+# Seconds per notebook on a 2-core laptop, until a run here has measured them: 66 on average on an
+# idle one (2026-11-26), and machines of that kind differ about 2x.
+GUESS_S = 100
 
 # `make course FAST=1` (--fast): smaller papermill parameters for a live session, per notebook.
 # Each notebook's time is mostly its launches (every rank imports torch and transformers), so
