@@ -112,24 +112,29 @@ def wait_for_lines(stream, *wanted, timeout=120) -> str:
 
 def test_sigterm_stops_every_rank_within_the_shutdown_timeout(hung_rank_1, tmp_path):
     """torchrun passes SIGTERM on, waits SHUTDOWN_TIMEOUT for the ranks, SIGKILLs the hung one,
-    says so in one line and exits 143; the message names the real timeout (it said "None")."""
+    says so in one line and exits 143; the message names the real timeout (it said "None").
+    That torchrun got the timeout is read from its command line, not from a clock: a bound on
+    the whole shutdown (once "< 30 s", the default timeout) failed 1 round in 3 of `make stress`
+    with a make test beside it (31.6 s): under load torchrun's own exit takes that long."""
     proc = subprocess.Popen([str(LAUNCHER), "2", str(hung_rank_1)], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=launcher_env({"SHUTDOWN_TIMEOUT": "2", "LOG_DIR": str(tmp_path)}))
     try:
         wait_for_lines(proc.stdout, "rank 0 up", "rank 1 up")
-        ranks = psutil.Process(proc.pid).children()
+        torchrun = psutil.Process(proc.pid)
+        args, ranks = torchrun.cmdline(), torchrun.children()
         assert len(ranks) == 2
         proc.send_signal(signal.SIGTERM)
         start = time.monotonic()
-        rest = proc.communicate(timeout=60)[0]
+        rest = proc.communicate(timeout=120)[0]
     finally:
         proc.kill()
+    assert args[args.index("--shutdown-timeout") + 1] == "2", args
     assert proc.returncode == 128 + signal.SIGTERM
     assert rest == ("run_w_torchrun.sh: torchrun received SIGTERM, sent it to the ranks and "
                     "waited for them to exit (up to 2 s, then SIGKILL)\n")
-    assert 2 <= time.monotonic() - start < 30
-    assert not psutil.wait_procs(ranks, timeout=5)[1]
+    assert time.monotonic() - start >= 2  # rank 1 ignores SIGTERM: it waited, then killed it
+    assert not psutil.wait_procs(ranks, timeout=5)[1]  # rank 1 too: only SIGKILL stops it
 
 
 @pytest.mark.parametrize("who", ["process group", "kernel only"])
