@@ -110,6 +110,8 @@ def test_run_course_reports_pass_and_fail(tmp_path):
     out of the console, the table on stdout with wall and CPU seconds (the CPU of the kernel's
     own children counted too, as torchrun's ranks are), exit status 1 when a notebook fails."""
     import nbformat
+
+    from distkit.run_course import GUESS_S, minutes  # no earlier run here: the guess per notebook
     burn = "import time\nwhile time.process_time() < 1.5: pass"  # a child of the kernel: 1.5 CPU-s
     ok = write_notebook(tmp_path / "01_ok.ipynb", "NPROC = 2",
                         "assert NPROC == 4, NPROC\nimport subprocess, sys\n"
