@@ -86,7 +86,7 @@ print-%:  # the value of a variable: make -s print-LAB_COMMAND
 # code/distkit/gpu_smoke.py.
 .PHONY: gpu-smoke
 gpu-smoke: setup
-	$(BIN)/python -m distkit.gpu_smoke
+	$(BIN)/python -m distkit.gpu_smoke $(if $(FIT),--fit)
 
 # The explanatory diagrams in images/ are drawn by code, so a diagram is fixed and redrawn.
 images: setup

@@ -56,3 +56,22 @@ def test_rehearsal_nodes_get_their_own_gpus(monkeypatch):
         _gpus_per_node(2, 2)
     monkeypatch.setenv("COURSE_DEVICE", "cpu")
     assert _gpus_per_node(2, 2) == []
+
+
+def test_fit_runs_on_the_gpus_there_are(monkeypatch):
+    """--fit on a 1-GPU machine: a 2-GPU run that allows it launches on 1 rank and says so; one
+    that needs its ranks (a pipeline) is skipped; without --fit both are skipped."""
+    launched = []
+
+    def fake_run(cmd, **kw):
+        launched.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+    monkeypatch.setattr(gpu_smoke.subprocess, "run", fake_run)
+    ddp = next(r for r in gpu_smoke.RUNS if r.name == "ch01 DDP")
+    pipe = next(r for r in gpu_smoke.RUNS if r.name == "ch02 pipeline")
+    assert gpu_smoke.smoke(ddp, 1, 10)[0] == "SKIP" and launched == []
+    assert gpu_smoke.smoke(pipe, 1, 10, fit=True)[0] == "SKIP" and launched == []
+    verdict, why = gpu_smoke.smoke(ddp, 1, 10, fit=True)
+    assert verdict == "PASS" and why.startswith("1 GPU(s) of 2 (--fit)")
+    assert launched[0][1] == "1"
+    assert gpu_smoke.smoke(ddp, 2, 10, fit=True)[1].startswith("2 GPU(s), ")
