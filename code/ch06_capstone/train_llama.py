@@ -534,7 +534,8 @@ while progress.step < max_steps:
     # One small all-reduce and one host sync per step, for what every rank must agree on: the
     # mean loss, "stop?" and the gradient norm (the same on every rank; summed, then divided).
     stop_flag = torch.tensor(float(bool(stop_signal)), device=env.device)
-    shared = torch.stack([loss_sum, stop_flag, grad_norm.float()])
+    # (with --cpu-offload the gradients, so their norm, live on the CPU: brought to the GPU)
+    shared = torch.stack([loss_sum, stop_flag, grad_norm.float().to(env.device)])
     dist.all_reduce(shared)
     loss, stop, gnorm = shared.tolist()
     loss, stop, gnorm = loss / env.world_size, stop > 0, gnorm / env.world_size

@@ -51,8 +51,8 @@ class Run:
 # One registry: what each chapter's GPU path is, at the smallest size that still runs it.
 RUNS = [
     Run("ch00 hello", 0, "ch00_collectives/hello_torchrun.py"),
-    Run("ch00 collectives", 0, "ch00_collectives/collectives.py", ("--json", "{out}/c.json"),
-        expect="c.json"),
+    Run("ch00 collectives", 2, "ch00_collectives/collectives.py", ("--json", "{out}/c.json"),
+        expect="c.json", fit=False),  # a collective needs someone to talk to
     Run("ch00 allreduce bandwidth", 0, "ch00_collectives/allreduce_bench.py",
         ("--max-mb", "16", "--iters", "3", "--warmup", "1", "--inner", "2")),
     Run("ch00 async collectives", 0, "ch00_collectives/async_collectives.py"),
@@ -125,10 +125,13 @@ def command(run: Run, nproc: int, out: Path) -> list[str]:
 
 
 def reason(proc: subprocess.CompletedProcess) -> str:
-    """The last line that looks like an error, else the last line of output."""
+    """The launcher's line (which rank failed first, and its error), else the last line that
+    looks like an error, else the last line of output. A script's output can say "failed" on
+    purpose (ddp_pitfalls.py shows errors it catches): the launcher's line comes first."""
     lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+    first = [ln for ln in lines if ln.startswith("run_w_torchrun.sh:") and "failed first" in ln]
     errors = [ln for ln in lines if "rror" in ln or "failed" in ln or "FAIL" in ln]
-    return (errors or lines or ["no output"])[-1][:300]
+    return (first or errors or lines or ["no output"])[-1][:300]
 
 
 def smoke(run: Run, gpus: int, timeout: float, fit: bool = False) -> tuple[str, str]:
@@ -138,8 +141,9 @@ def smoke(run: Run, gpus: int, timeout: float, fit: bool = False) -> tuple[str, 
     nproc = min(run.gpus or gpus, gpus)
     out = ROOT / "build" / "gpu-smoke" / run.name.replace(" ", "_").replace("/", "-")
     out.mkdir(parents=True, exist_ok=True)
+    path = os.pathsep.join(filter(None, [str(CODE), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "COURSE_DEVICE": "cuda", "PYTHON": sys.executable,
-           "PYTHONPATH": str(CODE), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+           "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     t0 = time.time()
     try:
         proc = subprocess.run(command(run, nproc, out), cwd=ROOT, env=env, text=True,
