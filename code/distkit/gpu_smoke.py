@@ -17,7 +17,7 @@ skipped" and exits 0, so CI and laptops can call it.
 
 It is how a workshop checks a cluster node before the session, and how the course's GPU claims
 stay honest: the README says when it last ran, and on what. Each run writes into
-build/gpu-smoke/<name>/ ({out} in the table below).
+build/gpu-smoke/<name>/ ({out} in the table below), its console output into output.log there.
 """
 from __future__ import annotations
 
@@ -150,6 +150,7 @@ def smoke(run: Run, gpus: int, timeout: float, fit: bool = False) -> tuple[str, 
                               capture_output=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "FAIL", f"still running after {timeout:.0f} s"
+    (out / "output.log").write_text(proc.stdout + proc.stderr)  # to read a FAIL afterwards
     fitted = f" of {need} (--fit)" if nproc < need else ""
     took = f"{nproc} GPU(s){fitted}, {time.time() - t0:.0f} s"
     if proc.returncode != run.status:
