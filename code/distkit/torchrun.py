@@ -26,9 +26,11 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing import tail_log
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
@@ -54,6 +56,37 @@ class Untagged:
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
+
+
+
+def tail_logfile(header, file, dst, finished, interval_sec, log_line_filter=None) -> None:
+    """torch's tail_logfile (elastic/multiprocessing/tail_log.py: --tee copies each rank's log
+    file to the console with it), less a race. torch's stops at the first end of file it meets
+    after `finished` is set, so a line the rank wrote between that read and the check is never
+    shown: seen under load (make stress), a rank's only line missing from the console. Here
+    `finished` is read before each read: at an end of file met after it, the rank (it has
+    exited) has nothing more to write."""
+    while True:
+        done = finished.is_set()
+        if os.path.exists(file):
+            break
+        if done:
+            return
+        time.sleep(interval_sec)
+    with open(file, errors="replace") as fp:
+        while True:
+            done = finished.is_set()
+            line = fp.readline()
+            if line:
+                if log_line_filter and log_line_filter(line):
+                    dst.write(f"{header}{line}")
+            elif done:
+                return
+            else:
+                time.sleep(interval_sec)
+
+
+tail_log.tail_logfile = tail_logfile  # what TailLog.start() submits, for this launch
 
 
 def error_of(run_dir: Path, local_rank: int, failure) -> str:
