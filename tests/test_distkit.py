@@ -162,13 +162,13 @@ def test_launch_expect_failure_shows_rank_errors(capsys):
         launch(2, "ch00_collectives/hello_torchrun.py", expect_failure=True)
 
 
-def test_older_torchrun_gets_no_shutdown_timeout(monkeypatch):
+def test_older_torchrun_gets_no_shutdown_timeout():
     """torch 2.11's torchrun (a GPU machine's image) has no --shutdown-timeout: distkit.torchrun
     drops it there, and keeps it where torchrun knows it (the course's torch)."""
     import argparse
 
     from distkit import torchrun
     argv = ["--log-dir", "x", "--shutdown-timeout", "2", "--nproc-per-node", "2", "s.py"]
-    assert torchrun.older_torch(argv) == argv
-    monkeypatch.setattr(torchrun, "get_args_parser", argparse.ArgumentParser)
-    assert torchrun.older_torch(argv) == ["--log-dir", "x", "--nproc-per-node", "2", "s.py"]
+    assert torchrun.older_torch(torchrun.get_args_parser(), argv) == argv
+    older = argparse.ArgumentParser()  # a torchrun parser without the option
+    assert torchrun.older_torch(older, argv) == ["--log-dir", "x", "--nproc-per-node", "2", "s.py"]

@@ -34,7 +34,7 @@ from torch.distributed.elastic.multiprocessing import tail_log
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
-from torch.distributed.run import get_args_parser, parse_args, run
+from torch.distributed.run import get_args_parser, run
 
 TEE_TAG = re.compile(r"\[default\d+\]:")  # what --tee puts in front of every line it copies
 # the line that says what went wrong: "ValueError: ...", "[rank1]: ValueError: ...", argparse's
@@ -135,10 +135,10 @@ def shown(path: Path) -> str:
     return os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else str(path)
 
 
-def older_torch(argv: list[str]) -> list[str]:
-    """argv without --shutdown-timeout S where torchrun has no such option (torch 2.11's, seen
-    on a GPU machine: it waits its own fixed time, 30 s, before SIGKILL)."""
-    known = {o for action in get_args_parser()._actions for o in action.option_strings}
+def older_torch(parser, argv: list[str]) -> list[str]:
+    """argv without --shutdown-timeout S where torchrun's parser has no such option (torch
+    2.11's, seen on a GPU machine)."""
+    known = {o for action in parser._actions for o in action.option_strings}
     if "--shutdown-timeout" in known or "--shutdown-timeout" not in argv:
         return argv
     i = argv.index("--shutdown-timeout")
@@ -146,10 +146,11 @@ def older_torch(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(older_torch(sys.argv[1:] if argv is None else argv))
+    parser = get_args_parser()  # torchrun's own (torch.distributed.run.parse_args builds it)
+    args = parser.parse_args(older_torch(parser, sys.argv[1:] if argv is None else argv))
     if not args.log_dir:
         sys.exit("distkit.torchrun: needs --log-dir DIR (torchrun's log and the ranks' logs)")
-    if getattr(args, "shutdown_timeout", None) is None:  # what torchrun will use (torch/distributed/launcher/api.py)
+    if getattr(args, "shutdown_timeout", None) is None:  # torchrun's default (launcher/api.py)
         args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     if os.environ.pop(CALLER_STOPS, None):
         # Launched by distkit.notebook.launch(): interrupting the kernel signals its whole process
