@@ -8,7 +8,8 @@ export TRANSFORMERS_OFFLINE := 1
 export PYTHONPATH := $(CURDIR)/code
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup check check-python course exercise exercises test test-nproc stress lab images site clean
+.PHONY: setup check check-python course exercise exercises test test-nproc stress lab images site clean \
+        lint record
 
 setup: $(VENV)/.installed
 
@@ -35,25 +36,35 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 # A pre-flight for a participant's machine (a workshop's laptops): one PASS/WARN/FAIL line per
-# check, with the fix; exit status 1 on any FAIL. See code/distkit/check.py.
+# check, with the fix; exit status 1 on any FAIL. See code/distkit/course/check.py.
 check: setup
-	$(BIN)/python -m distkit.check
+	$(BIN)/python -m distkit.course.check
 
 # FAST=1: each notebook with the small parameter set of a live session (about a minute each;
-# the table is FAST in code/distkit/run_course.py).
+# the table is FAST in code/distkit/course/run_course.py).
 course: setup
-	$(BIN)/python -m distkit.run_course$(if $(FAST), --fast)
+	$(BIN)/python -m distkit.course.run_course$(if $(FAST), --fast)
 
 # Check a learner's exercise: make exercise EX=03.1 (the list: make exercise). One line per check.
 exercise: setup
-	$(BIN)/python -m distkit.exercise $(if $(EX),$(EX),--list)
+	$(BIN)/python -m distkit.course.exercise $(if $(EX),$(EX),--list)
 
 # The exercises' starters are generated from their solutions (### BEGIN SOLUTION regions).
 exercises: setup
-	$(BIN)/python -m distkit.exercise --write
+	$(BIN)/python -m distkit.course.exercise --write
 
 test: setup
 	$(BIN)/python -m pytest --durations=25
+
+# The course's style (ruff.toml: pyflakes, pycodestyle, 100 characters); CI runs it.
+lint: setup
+	$(BIN)/ruff check .
+
+# Re-record a notebook's stored outputs: make record NB=04 (refused on a busy machine; see
+# code/distkit/course/record.py). After editing markdown: python -m distkit.course.chapters --write.
+record: setup
+	@[ -n "$(NB)" ] || { echo "make record: say which notebook, e.g. make record NB=04" >&2; exit 2; }
+	$(BIN)/python -m distkit.course.record $(wildcard notebooks/$(NB)_*.ipynb notebooks/$(NB))
 
 # Every notebook once more under papermill at another process count (3; 4 for ch. 02): minutes each,
 # so kept out of `make test`'s budget; CI (.ci/run, the GitHub workflow) runs both.
@@ -83,20 +94,20 @@ print-%:  # the value of a variable: make -s print-LAB_COMMAND
 
 # Every chapter's GPU path (NCCL, bf16, offload, flight recorder, 2-D meshes with >= 4 GPUs) at
 # tiny size, one PASS/FAIL/SKIP line per script; without CUDA it says so and exits 0. See
-# code/distkit/gpu_smoke.py.
+# code/distkit/course/gpu_smoke.py.
 .PHONY: gpu-smoke
 gpu-smoke: setup
-	$(BIN)/python -m distkit.gpu_smoke $(if $(FIT),--fit)
+	$(BIN)/python -m distkit.course.gpu_smoke $(if $(FIT),--fit)
 
 # The explanatory diagrams in images/ are drawn by code, so a diagram is fixed and redrawn.
 images: setup
-	$(BIN)/python -m distkit.diagrams
+	$(BIN)/python -m distkit.course.diagrams
 
 # The course as a static website in build/site/, from the notebooks' stored outputs (nothing is
 # executed; well under a minute): open build/site/index.html, or publish it (the GitHub workflow
 # does, to GitHub Pages from main).
 site: setup
-	$(BIN)/python -m distkit.site build/site
+	$(BIN)/python -m distkit.course.site build/site
 
 clean:
 	rm -rf build .pytest_cache

@@ -8,7 +8,7 @@
 # Every run keeps each rank's stdout/stderr and torchrun's own log in build/logs/<run>/ (run =
 # time-script-pid). When a rank fails, the ranks' errors show as usual and torchrun's 40-line
 # ChildFailedError traceback is replaced by two lines: which rank failed first, its error, and
-# where the logs are (distkit/torchrun.py does that; it takes torchrun's arguments).
+# where the logs are (distkit/course/torchrun.py does that; it takes torchrun's arguments).
 #
 # Single node (default): torchrun --standalone, which picks a free port, so two runs at
 # the same time never clash.
@@ -105,7 +105,7 @@ args+=(--shutdown-timeout "$shutdown")
 run_dir="${LOG_DIR:-$root/build/logs}/$(date +%Y%m%d-%H%M%S)-$(basename "$script" .py)-$$"
 args+=(--log-dir "$run_dir" --tee 3)
 
-# distkit.torchrun is torchrun (python -m torch.distributed.run) with the short failure report;
+# distkit.course.torchrun is torchrun (python -m torch.distributed.run) with the short failure report;
 # going through $PYTHON runs the torch of the environment that called us (e.g. a notebook's
 # kernel) even when its bin/ is not on PATH.
-exec "${PYTHON:-python3}" -m distkit.torchrun "${args[@]}" "$script" "$@"
+exec "${PYTHON:-python3}" -m distkit.course.torchrun "${args[@]}" "$script" "$@"

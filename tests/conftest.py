@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CODE = ROOT / "code"
 LAUNCHER = CODE / "run_w_torchrun.sh"
 sys.path.insert(0, str(CODE))
-from distkit.notebook import stop_launch  # noqa: E402  (needs code/ on the path)
+from distkit.course.notebook import stop_launch  # noqa: E402  (needs code/ on the path)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -25,8 +25,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # AVX-512); the tests run them, and every script, as a different CPU would: ATen's scalar
 # kernels and MKL's SSE4.2 code path. Float noise that leaks into a compared output (a last digit
 # that depends on vector width) then fails here, as it would on a learner's machine or a fork's
-# CI, instead of passing only where it was recorded. See README, "Adding a compared cell".
-PORTABILITY_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
+# CI, instead of passing only where it was recorded. See CONTRIBUTING.md, "Adding a compared cell".
+# oneDNN is capped too (ONEDNN_MAX_CPU_ISA), so that all three libraries see the same lesser CPU:
+# without the cap, on a CPU with AMX (Sapphire Rapids and later) oneDNN still reports AMX, torch's
+# CPU flash attention then packs bf16 blocks for it (cpublas::could_pack: oneDNN's effective ISA
+# >= avx512_core_amx, aten/src/ATen/native/CPUBlas.cpp) and calls pack_vnni2, which the default
+# capability's build has only as a stub: "pack_vnni2 is only supported when avx512 is supported".
+PORTABILITY_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+                   "ONEDNN_MAX_CPU_ISA": "AVX2"}
 os.environ.update(PORTABILITY_ENV)
 # The stored outputs are a CPU/gloo recording: check them on the CPU even where a GPU exists.
 os.environ["COURSE_DEVICE"] = "cpu"
@@ -61,7 +67,7 @@ def launcher_env(env=None) -> dict:
 
 def run_launcher(*args, env=None, timeout=180) -> subprocess.CompletedProcess:
     """code/run_w_torchrun.sh ARGS...; the timeout keeps a hung launch from hanging the suite.
-    On a timeout the whole launch is stopped as a notebook's cell stops it (distkit.notebook's
+    On a timeout the whole launch is stopped as a notebook's cell stops it (distkit.course.notebook's
     stop_launch: the ranks run in sessions of their own, so killing the launcher would leave
     them running)."""
     proc = subprocess.Popen([str(LAUNCHER), *map(str, args)], stdout=subprocess.PIPE,
@@ -136,8 +142,8 @@ def check_starter(folder: str, name: str, stops: int) -> None:
         assert lines[i - 1].strip().startswith("#"), lines[i]
         assert any("# TODO(you)" in ln for ln in lines[max(0, i - 5):i]), lines[i]
     if "### BEGIN SOLUTION" in solution:  # one source: the starter is generated from it, the
-        # docstring shared (it names TODOs); no todo() call left in the code (distkit/exercise.py)
-        from distkit.exercise import first_todo
+        # docstring shared (it names TODOs); no todo() call left in the code (distkit/course/exercise.py)
+        from distkit.course.exercise import first_todo
         assert first_todo(CODE / folder / "solutions" / name) is None
     else:
         assert "todo(" not in solution and "TODO" not in solution

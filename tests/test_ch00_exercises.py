@@ -7,7 +7,7 @@ tests/test_exercises.py checks the untouched starters. Six 3-rank launches at on
 """
 import pytest
 
-from distkit.exercise import check_at_once
+from distkit.course.exercise import check_at_once
 
 pytestmark = pytest.mark.second_nproc
 

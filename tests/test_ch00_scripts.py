@@ -79,7 +79,7 @@ def test_ring_rejects_fewer_elements_than_ranks():
 
 def _ring_function(name):
     """A function from ring_allreduce.py, without running the script."""
-    from distkit.notebook import source_of
+    from distkit.course.notebook import source_of
     namespace = {}
     exec(source_of("ch00_collectives/ring_allreduce.py", name), namespace)
     return namespace[name]

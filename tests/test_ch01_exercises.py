@@ -12,7 +12,7 @@ Both checkers at 3 ranks, on the solutions and on a wrong answer each: `make tes
 import pytest
 
 from conftest import check_stopped_at_todo, run_in_process, run_launcher
-from distkit.exercise import check_at_once
+from distkit.course.exercise import check_at_once
 
 EXERCISES = ["ex01_manual_ddp.py", "ex01_overlap.py"]
 

@@ -8,7 +8,7 @@ arguments. Four launches at once and naive_split.py twice as the one-process ref
 """
 import pytest
 
-from distkit.exercise import check_at_once
+from distkit.course.exercise import check_at_once
 
 pytestmark = pytest.mark.second_nproc
 

@@ -10,7 +10,7 @@ weights = one process, weights identical on every rank, each rank's AdamW state 
 import pytest
 
 from conftest import check_same_options, run_in_process
-from distkit.exercise import check_at_once
+from distkit.course.exercise import check_at_once
 
 EX = "ch03_zero/{}/ex03_zero1_by_hand.py"
 NAME = "ex03_zero1_by_hand.py"

@@ -11,7 +11,7 @@ argparse stops the scripts before setup(), so they need no process group.
 import pytest
 
 from conftest import check_same_options, run_in_process
-from distkit.exercise import check_at_once
+from distkit.course.exercise import check_at_once
 
 META = "ch04_fsdp2/{}/ex04_meta_init.py"
 ACCUM = "ch04_fsdp2/{}/ex04_grad_accum.py"

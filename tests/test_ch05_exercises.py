@@ -14,7 +14,7 @@ import math
 import pytest
 
 from conftest import check_same_options, run_in_process, run_json
-from distkit.exercise import check_at_once
+from distkit.course.exercise import check_at_once
 
 RESUME = "ch05_checkpoint/{}/ex05_resume.py"
 NPROC = 2

@@ -15,7 +15,7 @@ corrupted gradient".
 import pytest
 
 from conftest import check_same_options, run_in_process
-from distkit.exercise import check_at_once
+from distkit.course.exercise import check_at_once
 
 GUARD = "ch06_capstone/{}/ex06_hsdp_guard.py"
 # The wrong answer the exercise is about: each rank decides on its own gradient norm, which HSDP

@@ -1,4 +1,4 @@
-"""`make gpu-smoke` (code/distkit/gpu_smoke.py) without a GPU: it says so and exits 0; its
+"""`make gpu-smoke` (code/distkit/course/gpu_smoke.py) without a GPU: it says so and exits 0; its
 registry only names scripts and options that exist (a typo would surface first on a cluster)."""
 import re
 import subprocess
@@ -8,18 +8,18 @@ import pytest
 import torch
 
 from conftest import CODE, ROOT, launcher_env
-from distkit import gpu_smoke
-from distkit.notebook import _gpus_per_node
+from distkit.course import gpu_smoke
+from distkit.course.notebook import _gpus_per_node
 
 
 def test_no_gpu_skips_with_status_0():
-    proc = subprocess.run([sys.executable, "-m", "distkit.gpu_smoke"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "distkit.course.gpu_smoke"], capture_output=True,
                           text=True, cwd=ROOT, env=launcher_env({"CUDA_VISIBLE_DEVICES": ""}),
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines() == ["gpu-smoke: no CUDA GPU: skipped"]
     dry = subprocess.run(["make", "-n", "gpu-smoke"], capture_output=True, text=True, cwd=ROOT)
-    assert "-m distkit.gpu_smoke" in dry.stdout
+    assert "-m distkit.course.gpu_smoke" in dry.stdout
 
 
 def test_registry_names_real_scripts_and_options():

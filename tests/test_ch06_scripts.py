@@ -174,7 +174,7 @@ NOT_RUN_HERE = {"--tensorboard": "needs the tensorboard package, not a course de
 def test_every_option_runs(monkeypatch, capsys):
     """Every option in --help is passed by a run: a function of this file that launches the
     script (bad input does not count), a code cell of the notebook, or an entry of
-    distkit/gpu_smoke.py's registry (GPU-only options, run by `make gpu-smoke`)."""
+    distkit/course/gpu_smoke.py's registry (GPU-only options, run by `make gpu-smoke`)."""
     _, usage, _ = run_in_process(monkeypatch, capsys, SCRIPT, "--help")
     options = set(re.findall(r"(--[a-z][-a-z0-9]*)", usage)) - {"--help"}
     here = Path(__file__).read_text()
@@ -183,7 +183,7 @@ def test_every_option_runs(monkeypatch, capsys):
     runs = [src for src in runs if "run_ok(" in src or "run_launcher(" in src]
     nb = nbformat.read(ROOT / "notebooks" / NOTEBOOK, as_version=4)
     runs += [c.source for c in nb.cells if c.cell_type == "code"]
-    runs += [(CODE / "distkit" / "gpu_smoke.py").read_text()]
+    runs += [(CODE / "distkit" / "course" / "gpu_smoke.py").read_text()]
     assert {"--replicate", "--ac", "--compile", "--async-save"} <= options
     never = sorted(o for o in options if not any(f'"{o}"' in src for src in runs))
     assert never == sorted(NOT_RUN_HERE)

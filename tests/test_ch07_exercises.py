@@ -13,7 +13,7 @@ first TODO is tests/test_exercises.py's.
 import pytest
 
 from conftest import check_same_options, run_in_process
-from distkit.exercise import check_at_once
+from distkit.course.exercise import check_at_once
 
 EARLY = "ch07_debugging/{}/ex07_early_stop.py"
 MARGIN = 1e-3  # every validation loss this far from --target: the stop steps are no float luck

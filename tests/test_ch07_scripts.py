@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LAUNCHER, launcher_env, run_in_process, run_papermill
-from distkit import notebook
+from distkit.course import notebook
 
 SCRIPT = "ch07_debugging/buggy_train.py"
 TIMEOUT = 5     # the process-group timeout the notebook uses
@@ -91,7 +91,7 @@ def test_detail_names_the_mismatch_at_once(failures):
 
 
 def test_torchelastic_error_file_gets_the_root_cause(failures):
-    """distkit.torchrun, as torchrun's @record main, copies the first failure's error file to
+    """distkit.course.torchrun, as torchrun's @record main, copies the first failure's error file to
     TORCHELASTIC_ERROR_FILE. Which rank fails first is a race: when it exited with an error (both
     ranks raise the mismatch under DETAIL, each writing its error file), the copy must be its
     file; when torchrun stopped it first (a signal, no error file), nothing is copied."""

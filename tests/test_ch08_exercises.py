@@ -2,7 +2,7 @@
 parallelism's cheaper settings is caught (two launches of one process, ~5 CPU-s each)."""
 import pytest
 
-exercise = pytest.importorskip("distkit.exercise")  # the checker (make exercise)
+exercise = pytest.importorskip("distkit.course.exercise")  # the checker (make exercise)
 
 
 def test_fewest_gpus_solution_passes_and_a_wrong_search_fails(tmp_path):

@@ -1,4 +1,4 @@
-"""distkit.check (`make check`): each FAIL branch driven without breaking the machine (a wrong
+"""distkit.course.check (`make check`): each FAIL branch driven without breaking the machine (a wrong
 Python given as a parameter, a port held by the test, a package that does not exist...), and one
 real run of every check."""
 import resource
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import CODE
-from distkit import check
+from distkit.course import check
 
 GIB = 2 ** 30
 
@@ -89,7 +89,7 @@ def test_a_real_run_passes_within_its_budget():
     checked in CPU-seconds, which a busy machine does not inflate as it does wall time."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "distkit.check"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "distkit.course.check"], capture_output=True,
                           text=True, timeout=300, cwd=CODE.parent)
     wall = time.monotonic() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from conftest import CODE, ROOT, write_notebook
 from distkit import pick_device, print_ranks, seed_everything, setup, write_json
-from distkit.notebook import diff, launch, source_of
+from distkit.course.notebook import diff, launch, source_of
 
 
 def test_pick_device_cpu_override(monkeypatch):
@@ -111,7 +111,7 @@ def test_run_course_reports_pass_and_fail(tmp_path):
     own children counted too, as torchrun's ranks are), exit status 1 when a notebook fails."""
     import nbformat
 
-    from distkit.run_course import GUESS_S, minutes  # no earlier run here: the guess per notebook
+    from distkit.course.run_course import GUESS_S, minutes  # no earlier run here: the guess per notebook
     burn = "import time\nwhile time.process_time() < 1.5: pass"  # a child of the kernel: 1.5 CPU-s
     ok = write_notebook(tmp_path / "01_ok.ipynb", "NPROC = 2",
                         "assert NPROC == 4, NPROC\nimport subprocess, sys\n"
@@ -120,7 +120,7 @@ def test_run_course_reports_pass_and_fail(tmp_path):
     nb.cells[0].metadata["tags"] = ["parameters"]
     nbformat.write(nb, ok)
     write_notebook(tmp_path / "02_bad.ipynb", "x = 1", "raise ValueError('boom')", "y = 2")
-    proc = subprocess.run([sys.executable, "-m", "distkit.run_course", "--out",
+    proc = subprocess.run([sys.executable, "-m", "distkit.course.run_course", "--out",
                            str(tmp_path / "build"), "-p", "NPROC=4", str(ok),
                            str(tmp_path / "02_bad.ipynb")], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(CODE)},
@@ -163,11 +163,11 @@ def test_launch_expect_failure_shows_rank_errors(capsys):
 
 
 def test_older_torchrun_gets_no_shutdown_timeout():
-    """torch 2.11's torchrun (a GPU machine's image) has no --shutdown-timeout: distkit.torchrun
+    """torch 2.11's torchrun (a GPU machine's image) has no --shutdown-timeout: distkit.course.torchrun
     drops it there, and keeps it where torchrun knows it (the course's torch)."""
     import argparse
 
-    from distkit import torchrun
+    from distkit.course import torchrun
     argv = ["--log-dir", "x", "--shutdown-timeout", "2", "--nproc-per-node", "2", "s.py"]
     assert torchrun.older_torch(torchrun.get_args_parser(), argv) == argv
     older = argparse.ArgumentParser()  # a torchrun parser without the option

@@ -1,6 +1,6 @@
 """Every exercise: one source, and a checker that reports an untouched starter's first TODO.
 
-The starters are generated from their solutions (distkit/exercise.py; `make exercises`): a
+The starters are generated from their solutions (distkit/course/exercise.py; `make exercises`): a
 committed starter that differs from its generated form fails here. Every starter registered with
 the checker is checked untouched, in this process: the checker reads the file for a todo() left
 before it launches anything, so no process starts here. Each chapter's
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import CODE, ROOT, launcher_env
-from distkit import exercise as ex
+from distkit.course import exercise as ex
 
 REGISTRY = ex.load_registry()
 # every exercise in the course, by its solution (those not yet converted have no regions)
@@ -93,7 +93,7 @@ def test_make_exercise_runs_the_checker():
     first = make("exercise", "EX=03.1")
     assert first.returncode != 0
     assert first.stdout.startswith("FAIL TODO left at code/ch03_zero/exercises/ex03_zero1_by_hand")
-    unknown = subprocess.run([sys.executable, "-m", "distkit.exercise", "9.9"], cwd=ROOT,
+    unknown = subprocess.run([sys.executable, "-m", "distkit.course.exercise", "9.9"], cwd=ROOT,
                              capture_output=True, text=True, env=launcher_env())
     assert unknown.returncode == 1
-    assert unknown.stderr.startswith("distkit.exercise: no exercise '9.9'; known: 00.1, 00.2")
+    assert unknown.stderr.startswith("distkit.course.exercise: no exercise '9.9'; known: 00.1, 00.2")

@@ -1,4 +1,4 @@
-"""`make course FAST=1`: each notebook's FAST parameters (distkit/run_course.py) are parameters of
+"""`make course FAST=1`: each notebook's FAST parameters (distkit/course/run_course.py) are parameters of
 that notebook, of their defaults' types, and pass the notebook's own parameter check.
 
 Without running the notebooks: the parameters cell runs here, then the FAST values as papermill
@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from conftest import ROOT, run_parameter_check
-from distkit.run_course import FAST
+from distkit.course.run_course import FAST
 
 NOTEBOOKS = ROOT / "notebooks"
 
@@ -43,4 +43,4 @@ def test_make_course_fast_passes_the_flag():
                            "course", "FAST=1"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[-1] == ".venv/bin/python -m distkit.run_course --fast"
+    assert proc.stdout.splitlines()[-1] == ".venv/bin/python -m distkit.course.run_course --fast"

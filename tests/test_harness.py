@@ -52,7 +52,7 @@ def _nbval(tmp_path, source):
                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
 
 
-SETUP = f"import sys; sys.path.insert(0, {str(ROOT / 'code')!r})\nfrom distkit.notebook import launch\n"
+SETUP = f"import sys; sys.path.insert(0, {str(ROOT / 'code')!r})\nfrom distkit.course.notebook import launch\n"
 
 
 def test_nbval_passes_a_cell_whose_launch_succeeds(tmp_path):
@@ -60,15 +60,24 @@ def test_nbval_passes_a_cell_whose_launch_succeeds(tmp_path):
     assert proc.returncode == 0, proc.stdout
 
 
-def test_nbval_fails_a_cell_whose_launch_fails(tmp_path):
-    proc = _nbval(tmp_path, SETUP + "launch(2, 'ch00_collectives/collectives.py', '--op', 'nope')")
+@pytest.mark.parametrize("call,why", [
+    ("launch(2, 'ch00_collectives/collectives.py', '--op', 'nope')",
+     "error: unknown --op nope"),
+    ("run_python('ch00_collectives/hello_torchrun.py')", "torchrun"),
+], ids=["launch", "run_python"])
+def test_nbval_fails_a_cell_whose_launch_fails(tmp_path, call, why):
+    """...and its report says why: the script's own last lines are in the exception nbval prints
+    (nbval does not print the cell's streamed output), for a launch and a one-process run."""
+    proc = _nbval(tmp_path, SETUP.replace("import launch", "import launch, run_python") + call)
     assert proc.returncode == 1, proc.stdout
-    assert "CalledProcessError" in proc.stdout and "1 failed" in proc.stdout
+    assert "LaunchFailed" in proc.stdout and "1 failed" in proc.stdout, proc.stdout
+    report = proc.stdout.split("LaunchFailed", 1)[1]
+    assert "  | " in report and why in report, proc.stdout
 
 
 def test_launch_output_names_paths_relative_to_the_repo():
     """Scripts print absolute paths ("exported to /home/me/course/build/ch06/a/hf"): the notebook
     shows them from the repo root, so a stored output reads the same in every checkout."""
-    from distkit.notebook import ROOT as NB_ROOT, _relative
+    from distkit.course.notebook import ROOT as NB_ROOT, _relative
     assert _relative(f"exported to {NB_ROOT}/build/ch06/a/hf\n") == "exported to build/ch06/a/hf\n"
     assert _relative("/elsewhere/build/x") == "/elsewhere/build/x"

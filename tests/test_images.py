@@ -1,4 +1,4 @@
-"""images/ holds the diagrams drawn by distkit.diagrams, and the notebooks show only those."""
+"""images/ holds the diagrams drawn by distkit.course.diagrams, and the notebooks show only those."""
 import os
 import re
 import subprocess
@@ -8,7 +8,7 @@ import nbformat
 import pytest
 
 from conftest import CODE, ROOT
-from distkit.diagrams import CHAPTERS, DIAGRAMS, main
+from distkit.course.diagrams import CHAPTERS, DIAGRAMS, main
 
 IMAGES = ROOT / "images"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -31,7 +31,7 @@ def notebook_images():
 
 def test_module_writes_every_diagram(tmp_path):
     # ~15 CPU-s; the limit only stops a hang (a 2-core machine under load took 111 s)
-    proc = subprocess.run([sys.executable, "-m", "distkit.diagrams", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "distkit.course.diagrams", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(CODE), "MPLBACKEND": "Agg"})
     assert proc.returncode == 0, proc.stderr
@@ -74,6 +74,6 @@ def test_notebook_images_are_drawn_by_code(notebook, ref):
 def test_images_folder_holds_exactly_the_drawn_diagrams():
     committed = {p.stem for p in IMAGES.glob("*.png")}
     assert not committed - set(DIAGRAMS), \
-        f"images not drawn by distkit.diagrams (hand-made?): {sorted(committed - set(DIAGRAMS))}"
+        f"images not drawn by distkit.course.diagrams (hand-made?): {sorted(committed - set(DIAGRAMS))}"
     assert not set(DIAGRAMS) - committed, \
         f"diagrams missing from images/ (run `make images`): {sorted(set(DIAGRAMS) - committed)}"

@@ -150,7 +150,7 @@ def test_an_interrupted_cell_stops_every_rank_and_says_so_in_one_line(hung_rank_
     kc.start_channels()
     try:
         kc.wait_for_ready(timeout=60)
-        msg_id = kc.execute(f"from distkit.notebook import launch\nlaunch(2, {str(hung_rank_1)!r})")
+        msg_id = kc.execute(f"from distkit.course.notebook import launch\nlaunch(2, {str(hung_rank_1)!r})")
         out = ""
         while not ("rank 0 up" in out and "rank 1 up" in out):
             msg = kc.get_iopub_msg(timeout=120)
@@ -301,7 +301,7 @@ def test_the_failure_summary_reads_the_last_attempt(tmp_path):
     sorts last as text)."""
     from types import SimpleNamespace
 
-    from distkit.torchrun import error_of
+    from distkit.course.torchrun import error_of
     for attempt in (9, 10):
         log = tmp_path / "run" / f"attempt_{attempt}" / "0" / "stderr.log"
         log.parent.mkdir(parents=True)
@@ -318,7 +318,7 @@ def test_the_console_copy_keeps_a_line_written_at_the_last_moment(tmp_path):
 
     from torch.distributed.elastic.multiprocessing import tail_log as torch_tail
 
-    from distkit import torchrun
+    from distkit.course import torchrun
 
     class LastMoment:
         def __init__(self, log):

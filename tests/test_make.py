@@ -86,9 +86,9 @@ def test_clean_removes_build_and_checkpoints_but_not_the_venv(tmp_path):
     ("test", ".venv/bin/python -m pytest --durations=25"),
     ("test-nproc", ".venv/bin/python -m pytest -m second_nproc tests"),
     ("stress", ".venv/bin/python tests/stress.py"),
-    ("course", ".venv/bin/python -m distkit.run_course"),
-    ("images", ".venv/bin/python -m distkit.diagrams"),
-    ("exercises", ".venv/bin/python -m distkit.exercise --write"),
+    ("course", ".venv/bin/python -m distkit.course.run_course"),
+    ("images", ".venv/bin/python -m distkit.course.diagrams"),
+    ("exercises", ".venv/bin/python -m distkit.course.exercise --write"),
 ])
 def test_targets_run(target, command):
     proc = make("-n", "-o", ".venv/.installed", target)

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from distkit import site
+from distkit.course import site
 
 BUILD_CPU_S = 60  # `make site` must take under a minute; CPU-s, as wall time here is shared
 BROWSER_PAGES = ["notebooks/01_data_parallel_ddp.html", "notebooks/03_zero_memory_math.html"]
@@ -204,7 +204,7 @@ def test_make_site_and_ci_publish_it():
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     proc = subprocess.run(["make", "-n", "-o", ".venv/.installed", "site"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=30)
-    assert proc.stdout.splitlines()[-1] == ".venv/bin/python -m distkit.site build/site"
+    assert proc.stdout.splitlines()[-1] == ".venv/bin/python -m distkit.course.site build/site"
     # .ci/run installs Debian's chromium (when root with apt-get) before the tests run.
     ci = (ROOT / ".ci" / "run").read_text()
     assert ci.index("apt-get install -y -qq chromium") < ci.index("make test")

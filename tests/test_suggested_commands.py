@@ -98,8 +98,8 @@ def test_suggested_command_passes_the_check(notebook, command, tmp_path, monkeyp
         pytest.fail(f"{notebook}: the suggested {command!r} fails its check cell: {e}")
 
 
-# The README's `python -m distkit.run_course -p NAME=VALUE ...`: every notebook gets the values
-RUN_COURSE = re.findall(r"distkit\.run_course((?:\s+-p\s+\w+=\S+)+)",
+# The README's `python -m distkit.course.run_course -p NAME=VALUE ...`: every notebook gets the values
+RUN_COURSE = re.findall(r"distkit\.course\.run_course((?:\s+-p\s+\w+=\S+)+)",
                         (ROOT / "README.md").read_text())
 
 

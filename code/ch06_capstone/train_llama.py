@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # corpus.py, next to this file
 import corpus  # noqa: E402
-from distkit import memory, print0, setup, teardown  # noqa: E402
+from distkit import memory, print0, setup, speed, teardown  # noqa: E402
 from distkit.ckpt import AppState, CheckpointDir  # noqa: E402
 
 # Llama architectures (transformers LlamaConfig fields); the vocabulary comes from the tokenizer.
@@ -60,13 +60,6 @@ PRESETS = {
                  "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
                  "tie_word_embeddings": False},
 }
-# Dense bf16 tensor-core peaks (no 2:4 sparsity) from the vendors' datasheets, FLOP/s per GPU;
-# the first name contained in torch.cuda.get_device_name() wins. Others: --peak-tflops.
-PEAK_BF16_FLOPS = {"H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
-                   "H200 NVL": 835e12, "H200": 989e12, "GH200": 989e12, "GB200": 2500e12,
-                   "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12,
-                   "L4": 121e12, "A10": 125e12, "MI300X": 1307e12}  # GB200 before B200
-
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 g = p.add_argument_group("model")
 g.add_argument("--preset", choices=PRESETS, default="cpu-tiny",
@@ -335,7 +328,7 @@ peak = None
 if env.device.type == "cuda":
     name = torch.cuda.get_device_name()
     peak = (args.peak_tflops * 1e12 if args.peak_tflops else
-            next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None))
+            speed.peak_bf16(name))  # the datasheet's dense bf16 peak (distkit/speed.py)
     if peak is None:
         print0(f"no peak FLOP/s known for {name}: MFU n/a (give --peak-tflops)")
 

@@ -9,19 +9,22 @@
 - `int_list()`: an argparse type for comma-separated integers ("1,2,4,8").
 - `same_on_all_ranks()`: whether every rank holds exactly the same tensor values (a check).
 
-Submodules, imported where needed:
+Submodules that lesson scripts import, where needed (the lesson layer: small, read by learners):
 - `distkit.toy`: a tiny transformers Llama, generated token data (nothing downloaded), an LR
   schedule.
 - `distkit.ddp`: `CommLog`, a DDP comm hook that records every bucket's all-reduce.
 - `distkit.comm`: `CollectiveLog`, every collective of a piece of code in order, with its bytes,
   group and (with the profiler) the FSDP unit that issued it.
+- `distkit.pipe`: chapter 02's pipeline plumbing: a Llama cut into stages, its loss, a stopwatch.
 - `distkit.tp`: chapter 02's tensor-parallel plans (Megatron), reused by chapter 04's FSDP + TP.
 - `distkit.ckpt`: chapter 05's checkpoints: `AppState` and `RNGState` (DCP `Stateful`s), and
   `CheckpointDir` (atomic commits with a manifest of checksums, the newest good one, keep-last-K).
-- `distkit.memory`: chapter 03's formulas and calculator.
-- `distkit.notebook`: launch a script from a notebook (failing the cell if it fails), diffs.
-- `distkit.plots`: pictures shared by the notebooks.
-- `distkit.run_course`: `make course`, every notebook through papermill.
+- `distkit.memory`: chapter 03's formulas and calculator (bytes per rank by category).
+- `distkit.speed`: chapter 08's speed model (step time from FLOPs and bytes) and the one table
+  of GPU datasheet figures.
+
+The course's own tooling lives in `distkit.course` (notebook launcher, plots, `make` targets,
+website, exercise checkers, diagrams); lesson scripts never import it.
 """
 import importlib
 

@@ -48,10 +48,25 @@ class GPU:
     source: str
 
 
+# The course's one table of dense bf16 tensor-core peaks (no 2:4 sparsity), FLOP/s per GPU, from
+# the vendors' datasheets, by the name torch.cuda.get_device_name() contains: the first match wins
+# (more specific names first). The capstone's MFU and the planner both read it.
+PEAK_BF16 = {"H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
+             "H200 NVL": 835e12, "H200": 989e12, "GH200": 989e12, "GB200": 2500e12,
+             "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12,
+             "L4": 121e12, "A10": 125e12, "MI300X": 1307e12}  # GB200 before B200
+
+
+def peak_bf16(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU by its name (torch.cuda.get_device_name()), or None."""
+    return next((v for k, v in PEAK_BF16.items() if k in device_name), None)
+
+
 GPUS = {
-    "H100 SXM": GPU("H100 SXM", 989e12, 80, 450e9, "NVIDIA H100 datasheet (2023)"),
-    "A100 80GB SXM": GPU("A100 80GB SXM", 312e12, 80, 300e9, "NVIDIA A100 datasheet (2021)"),
-    "H200 SXM": GPU("H200 SXM", 989e12, 141, 450e9, "NVIDIA H200 datasheet (2024)"),
+    "H100 SXM": GPU("H100 SXM", PEAK_BF16["H100"], 80, 450e9, "NVIDIA H100 datasheet (2023)"),
+    "A100 80GB SXM": GPU("A100 80GB SXM", PEAK_BF16["A100"], 80, 300e9,
+                         "NVIDIA A100 datasheet (2021)"),
+    "H200 SXM": GPU("H200 SXM", PEAK_BF16["H200"], 141, 450e9, "NVIDIA H200 datasheet (2024)"),
 }
 # bytes/s one way per GPU between nodes (one NIC per GPU)
 LINKS = {"IB NDR / RoCE 400G": 400e9 / 8, "IB HDR 200G": 200e9 / 8}

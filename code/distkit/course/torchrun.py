@@ -1,6 +1,6 @@
 """torchrun as `code/run_w_torchrun.sh` runs it: the same launch, with a short failure report.
 
-    python -m distkit.torchrun --log-dir RUN_DIR --tee 3 [TORCHRUN OPTIONS] SCRIPT [ARGS...]
+    python -m distkit.course.torchrun --log-dir RUN_DIR --tee 3 [TORCHRUN OPTIONS] SCRIPT [ARGS...]
 
 takes torchrun's own arguments and differs from `torchrun` in five ways:
 - the console shows each rank's output as the rank printed it: `--tee 3` keeps a copy of every
@@ -109,7 +109,7 @@ def error_of(run_dir: Path, local_rank: int, failure) -> str:
     return re.sub(r"^\[rank\d+\]: |^\s*what\(\):\s*", "", line).strip()
 
 
-CALLER_STOPS = "DISTKIT_CALLER_STOPS"  # set by distkit.notebook.launch(): see main()
+CALLER_STOPS = "DISTKIT_CALLER_STOPS"  # set by distkit.course.notebook.launch(): see main()
 NOTICE_AFTER_S = 3  # a multi-node launch still waiting for its nodes then says so
 
 
@@ -149,11 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = get_args_parser()  # torchrun's own (torch.distributed.run.parse_args builds it)
     args = parser.parse_args(older_torch(parser, sys.argv[1:] if argv is None else argv))
     if not args.log_dir:
-        sys.exit("distkit.torchrun: needs --log-dir DIR (torchrun's log and the ranks' logs)")
+        sys.exit("distkit.course.torchrun: needs --log-dir DIR (torchrun's log and the ranks' logs)")
     if getattr(args, "shutdown_timeout", None) is None:  # torchrun's default (launcher/api.py)
         args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     if os.environ.pop(CALLER_STOPS, None):
-        # Launched by distkit.notebook.launch(): interrupting the kernel signals its whole process
+        # Launched by distkit.course.notebook.launch(): interrupting the kernel signals its whole process
         # group, this process included, and the kernel then stops the launch itself (SIGTERM,
         # once) to count the ranks it stopped. A no-op handler, not SIG_IGN: the ranks, started
         # by exec, get the default back (an ignored signal would stay ignored in them).

@@ -1,9 +1,9 @@
 """Chapter 04, FSDP2: the life of one fully_shard unit through a training step."""
 from __future__ import annotations
 
-from distkit.diagrams.shapes import (FAINT, FONT, INK, MONO, SMALL, STORE_INK, arrow, box, canvas,
+from distkit.course.diagrams.shapes import (FAINT, FONT, INK, MONO, SMALL, STORE_INK, arrow, box, canvas,
                                      comm, key_boxes, rank_region, tint, title)
-from distkit.plots import STATE_COLORS
+from distkit.course.plots import STATE_COLORS
 
 
 def _life_bar(ax, x0, x1, y, h, text, *, face, edge, ls="-", lw=1.0, color=INK):

@@ -2,7 +2,7 @@
 
     make exercises                 # write every starter from its solution (then commit both)
     make exercise EX=03.1          # check code/ch03_zero/exercises/ex03_zero1_by_hand.py
-    python -m distkit.exercise 03.1 [--file PATH] [--nproc 2]
+    python -m distkit.course.exercise 03.1 [--file PATH] [--nproc 2]
 
 One source per exercise (the convention nbgrader made familiar): the solution file holds each
 part the learner writes between `### BEGIN SOLUTION: <what is missing>` and `### END SOLUTION`,
@@ -11,9 +11,8 @@ region, the hint as a `# TODO(you):` comment and a `todo("<what is missing>")` c
 the run there (distkit.dist.todo). A region without a message is dropped (its hints kept as
 comments): answers to the "Predict, then measure" questions.
 
-The checker (one entry per exercise, registered with @exercise: here for chapters 00-05 and 07 in
-distkit/exercise_checks.py; other chapters in distkit/exercise_chNN.py, found by name) first
-looks for a todo() left in the file, without launching anything, then launches the file on each
+The checker (one entry per exercise, registered with @exercise in distkit/course/checks/chNN.py,
+one module per chapter) first looks for a todo() left in the file, without launching anything, then launches the file on each
 world size of the entry with --json and checks the results: one line per check, stopping at the
 first that fails.
 """
@@ -24,7 +23,6 @@ import ast
 import importlib
 import json
 import os
-import pkgutil
 import re
 import shutil
 import subprocess
@@ -34,7 +32,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-CODE = Path(__file__).resolve().parents[1]
+CODE = Path(__file__).resolve().parents[2]
 ROOT = CODE.parent
 LAUNCHER = CODE / "run_w_torchrun.sh"
 WIDTH = 100  # the course's line length
@@ -147,11 +145,11 @@ def exercise(id: str, starter: str, nprocs=(2, 3), timeout: float = 300):
 
 
 def load_registry() -> dict[str, Exercise]:
-    """Import every distkit.exercise_* module: each registers its chapter's entries."""
-    import distkit
-    for mod in pkgutil.iter_modules(distkit.__path__):
-        if mod.name.startswith("exercise_"):
-            importlib.import_module(f"distkit.{mod.name}")
+    """Import each chapter's checks module (distkit.course.checks.CHAPTERS): each registers its
+    entries."""
+    from distkit.course.checks import CHAPTERS
+    for name in CHAPTERS:
+        importlib.import_module(f"distkit.course.checks.{name}")
     return REGISTRY
 
 
@@ -205,7 +203,7 @@ class Runner:
         try:
             stdout, _ = proc.communicate(timeout=self.ex.timeout)
         except subprocess.TimeoutExpired:
-            from distkit.notebook import stop_launch  # every rank, not just the launcher
+            from distkit.course.notebook import stop_launch  # every rank, not just the launcher
             stop_launch(proc, 10, drain=True)
             raise Fail(f"the launch did not end within {self.ex.timeout:.0f} s "
                        "(a rank waiting in a collective the others never call?)") from None
@@ -243,7 +241,7 @@ def check(ex_id: str, file: str | Path | None = None, nprocs=None, echo=print,
     output) is appended to `runs` if given. Returns (all passed, the lines)."""
     registry = load_registry()
     if ex_id not in registry:
-        raise SystemExit(f"distkit.exercise: no exercise {ex_id!r}; "
+        raise SystemExit(f"distkit.course.exercise: no exercise {ex_id!r}; "
                          f"known: {', '.join(sorted(registry))}")
     ex = registry[ex_id]
     path = Path(file) if file else CODE / ex.starter
@@ -317,7 +315,7 @@ def check_at_once(jobs: dict, tmp: Path, nprocs=(2,)) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m distkit.exercise", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m distkit.course.exercise", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("id", nargs="?", help="the exercise, e.g. 03.1 (--list: all of them)")
     parser.add_argument("--file", help="check this file instead of the exercise's starter")
@@ -346,5 +344,5 @@ def main(argv=None):
     sys.exit(0 if ok else 1)
 
 
-if __name__ == "__main__":  # run as distkit.exercise, whose REGISTRY the entries fill
-    importlib.import_module("distkit.exercise").main()
+if __name__ == "__main__":  # run as distkit.course.exercise, whose REGISTRY the entries fill
+    importlib.import_module("distkit.course.exercise").main()

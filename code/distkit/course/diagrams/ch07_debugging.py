@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from matplotlib.patches import Rectangle
 
-from distkit.diagrams.shapes import (FONT, INK, MONO, RIGHT, SMALL, WRONG, arrow, box, canvas,
+from distkit.course.diagrams.shapes import (FONT, INK, MONO, RIGHT, SMALL, WRONG, arrow, box, canvas,
                                      tint, title)
-from distkit.plots import RANK_COLORS
+from distkit.course.plots import RANK_COLORS
 
 
 def collective_mismatch():

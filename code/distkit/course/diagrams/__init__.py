@@ -6,12 +6,12 @@ matplotlib Figure; `DIAGRAMS` maps an image name to its function, and `main()` s
 `images/<name>.png`. To fix a diagram, edit its function and redraw (from the repo root;
 `make images` draws them all):
 
-    PYTHONPATH=code .venv/bin/python -m distkit.diagrams [--out DIR] [NAME | CHAPTER ...]
+    PYTHONPATH=code .venv/bin/python -m distkit.course.diagrams [--out DIR] [NAME | CHAPTER ...]
 
-e.g. `... -m distkit.diagrams ddp` (one diagram) or `... -m distkit.diagrams ch02` (a chapter's).
+e.g. `... -m distkit.course.diagrams ddp` (one diagram) or `... -m distkit.course.diagrams ch02` (a chapter's).
 
 Measured pictures (timelines, memory bars) are not here: notebook cells draw those from a run's
-JSON with `distkit.plots`. These diagrams explain what a technique does.
+JSON with `distkit.course.plots`. These diagrams explain what a technique does.
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from distkit.diagrams import (ch00_collectives, ch01_ddp, ch02_pipeline, ch02_tensor, ch03_zero,
+from distkit.course.diagrams import (ch00_collectives, ch01_ddp, ch02_pipeline, ch02_tensor, ch03_zero,
                               ch04_fsdp2, ch05_checkpoint, ch06_capstone, ch07_debugging,
                               ch08_plan)
 
-IMAGES = Path(__file__).resolve().parents[3] / "images"
+IMAGES = Path(__file__).resolve().parents[4] / "images"
 DPI = 110
 CHAPTER_MODULES = (ch00_collectives, ch01_ddp, ch02_pipeline, ch02_tensor, ch03_zero, ch04_fsdp2,
                    ch05_checkpoint, ch06_capstone, ch07_debugging, ch08_plan)
@@ -37,7 +37,7 @@ for _module in CHAPTER_MODULES:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m distkit.diagrams",
+    parser = argparse.ArgumentParser(prog="python -m distkit.course.diagrams",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=IMAGES,
                         help=f"folder for the PNGs (default: {IMAGES})")

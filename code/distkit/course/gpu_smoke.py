@@ -1,8 +1,8 @@
 """`make gpu-smoke`: every chapter's scripts on this machine's CUDA GPUs, at tiny sizes.
 
-    make gpu-smoke                       # or: PYTHONPATH=code python -m distkit.gpu_smoke
+    make gpu-smoke                       # or: PYTHONPATH=code python -m distkit.course.gpu_smoke
     make gpu-smoke FIT=1                 # a 1-GPU machine: the 2-GPU runs on one where they can
-    PYTHONPATH=code python -m distkit.gpu_smoke --only ch04,ch06 --timeout 300
+    PYTHONPATH=code python -m distkit.course.gpu_smoke --only ch04,ch06 --timeout 300
 
 The course runs (and is tested) on CPU with gloo; on GPUs the same scripts take NCCL, CUDA
 devices, bf16, CPU offload, NCCL's flight recorder. Those paths cannot run on a laptop, so this
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-CODE = Path(__file__).resolve().parent.parent
+CODE = Path(__file__).resolve().parents[2]
 ROOT = CODE.parent
 TINY_LLAMA = ["--seq-len", "64", "--vocab-size", "512", "--batch-size", "8", "--micro-batch", "2",
               "--max-steps", "4", "--warmup", "1", "--eval-every", "4", "--eval-sequences", "8",

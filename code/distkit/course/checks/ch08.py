@@ -1,5 +1,5 @@
-"""Chapter 08's exercise checks (distkit.exercise imports every distkit.exercise_* module)."""
-from distkit.exercise import exercise
+"""Exercise checks for chapter 08 (planning a run); see distkit/course/checks/__init__.py."""
+from distkit.course.exercise import exercise
 
 GiB = 2**30
 CASES = (("70b", 8192, 0.9 * 79.6), ("8b", 32768, 0.9 * 79.6))

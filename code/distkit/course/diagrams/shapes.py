@@ -10,14 +10,14 @@ import matplotlib.pyplot as plt
 from matplotlib.colors import to_rgba
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
-from distkit.plots import RANK_COLORS
+from distkit.course.plots import RANK_COLORS
 
 FONT = 10          # body text, points
 SMALL = 9          # the smallest text in any diagram
 MONO = "DejaVu Sans Mono"
 INK = "0.15"       # text and outlines
 FAINT = "0.6"      # what is optional or gone: the multi-node part of torchrun, an idle slot
-SHARED = "0.82"    # grey: the same on every rank (as in distkit.plots: grey = a sum)
+SHARED = "0.82"    # grey: the same on every rank (as in distkit.course.plots: grey = a sum)
 STORE_FACE, STORE_EDGE, STORE_INK = "#fff4d6", "#b8860b", "#8a6508"  # the store, all-reduce
 CKPT_FACE, CKPT_EDGE = STORE_FACE, STORE_EDGE  # a committed checkpoint: the store's yellow
 WRONG, RIGHT = "#b22222", "#2e7d32"  # a wrong result (a stale gradient, a hang), a right one

@@ -8,7 +8,7 @@ The site mirrors the repository: README.md -> index.html, notebooks/NN.ipynb -> 
 any other file a page links to -> the same path + .html (highlighted; Markdown rendered), images
 copied. So every relative link in the notebooks and the README works as it does on GitHub.
 
-    PYTHONPATH=code python -m distkit.site [OUT]      # default build/site
+    PYTHONPATH=code python -m distkit.course.site [OUT]      # default build/site
 """
 import html
 import os
@@ -29,7 +29,7 @@ from pygments.formatters import HtmlFormatter
 from pygments.lexers import TextLexer, get_lexer_for_filename
 from pygments.util import ClassNotFound
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TEMPLATES = Path(__file__).with_name("site_template")
 COURSE = "Distributed training with PyTorch"
 SUMMARY_LINES = 5
@@ -332,7 +332,7 @@ def build(out: Path, root: Path = ROOT) -> Site:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) > 1 or (argv and argv[0].startswith("-")):
-        print("usage: python -m distkit.site [OUT]   (default: build/site)", file=sys.stderr)
+        print("usage: python -m distkit.course.site [OUT]   (default: build/site)", file=sys.stderr)
         return 2
     out = Path(argv[0]) if argv else ROOT / "build" / "site"
     t0, c0 = time.perf_counter(), time.process_time()

@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-CODE = Path(__file__).resolve().parent.parent  # the course's code/ folder
+CODE = Path(__file__).resolve().parents[2]  # the course's code/ folder
 ROOT = CODE.parent
 LAUNCHER = CODE / "run_w_torchrun.sh"
 # Seconds torchrun gives the ranks to exit once stopped (the launcher's SHUTDOWN_TIMEOUT, here
@@ -22,9 +22,20 @@ LAUNCHER = CODE / "run_w_torchrun.sh"
 # machine makes slow, while a rank that does not catch SIGTERM dies at once. A cell that stops a
 # launch waits STOP_GRACE_S more for torchrun before it kills what is left of the launch.
 SHUTDOWN_S, STOP_GRACE_S = 30, 10
-# Set for every launch from here: distkit/torchrun.py then leaves an interrupt (SIGINT, which
+# Set for every launch from here: distkit/course/torchrun.py then leaves an interrupt (SIGINT, which
 # reaches the whole process group of an interrupted kernel) to us, and we stop the launch.
 CALLER_STOPS = {"DISTKIT_CALLER_STOPS": "1"}
+
+
+class LaunchFailed(subprocess.CalledProcessError):
+    """A launch or script that failed. Its message ends with the last TAIL lines of the output:
+    nbval (and any report that prints the exception, not the cell's output) then shows the
+    script's own traceback, not only "returned non-zero exit status 1"."""
+    TAIL = 20
+
+    def __str__(self) -> str:
+        tail = _relative(self.output or "").rstrip("\n").splitlines()[-self.TAIL:]
+        return super().__str__() + "".join(f"\n  | {line}" for line in tail)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -67,8 +78,9 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
            stacks_when: str | None = None, limit: float | None = None) -> int | None:
     """Run `code/run_w_torchrun.sh NPROC SCRIPT ARGS...` and stream its output.
 
-    Raises CalledProcessError when the launch fails, so the notebook cell fails too (a plain
-    `!cmd` would print the error and carry on). `ranks="0"` shows only rank 0's output.
+    Raises LaunchFailed (a CalledProcessError whose message ends with the output's last lines)
+    when the launch fails, so the notebook cell fails too (a plain `!cmd` would print the error
+    and carry on). `ranks="0"` shows only rank 0's output.
     `expect_failure=True` is for demonstrating a failure: it shows only the error lines of each
     rank and raises if the launch *succeeds*.
     `short_tracebacks=True` shows each rank's traceback as its last line only (the error), for
@@ -149,7 +161,7 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
         print(_relative("".join(sorted(where, key=lambda w: w.split(":")[0]) + errors))
               + f"=> failed with exit status {status}, as expected")
     elif status and not (stop_when is not None and status == 128 + signal.SIGTERM):
-        raise subprocess.CalledProcessError(status, cmd, "".join(lines))
+        raise LaunchFailed(status, cmd, "".join(lines))
     return status if stop_when is not None else None
 
 
@@ -290,7 +302,7 @@ def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 6
               flush=True)
     for p, out in zip(procs, outputs):
         if p.returncode:
-            raise subprocess.CalledProcessError(p.returncode, cmd, out)
+            raise LaunchFailed(p.returncode, cmd, out)
 
 
 def _gpus_per_node(nnodes: int, nproc: int) -> list[str]:
@@ -319,7 +331,7 @@ def _with_code_on_path() -> dict:
 
 def run_python(script: str, *args) -> None:
     """Run `python code/SCRIPT ARGS...`, a one-process script (no torchrun), streaming its
-    output; raises CalledProcessError when it fails, so the notebook cell fails too."""
+    output; raises LaunchFailed when it fails, so the notebook cell fails too."""
     cmd = [sys.executable, str(CODE / script), *map(str, args)]
     print("$ PYTHONPATH=code python", shlex.join([f"code/{script}", *map(_shown, args)]),
           flush=True)
@@ -331,7 +343,7 @@ def run_python(script: str, *args) -> None:
         print(_relative(line), end="", flush=True)
         lines.append(line)
     if proc.wait():
-        raise subprocess.CalledProcessError(proc.returncode, cmd, "".join(lines))
+        raise LaunchFailed(proc.returncode, cmd, "".join(lines))
 
 
 def run_failing(cmd: list, limit: float, hide: dict | None = None) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from matplotlib.patches import Rectangle
 
-from distkit.diagrams.shapes import (FONT, INK, RIGHT, SMALL, WRONG, arrow, box, canvas,
+from distkit.course.diagrams.shapes import (FONT, INK, RIGHT, SMALL, WRONG, arrow, box, canvas,
                                      rank_region, slot, tint, title)
-from distkit.plots import RANK_COLORS
+from distkit.course.plots import RANK_COLORS
 
 
 def model_parallel():

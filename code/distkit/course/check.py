@@ -1,6 +1,6 @@
 """`make check`: is this machine ready for the course? A pre-flight for a workshop's laptops.
 
-    python -m distkit.check      # (make check) one line per check, exit status 1 if any FAILs
+    python -m distkit.course.check      # (make check) one line per check, exit status 1 if any FAILs
 
 Each line is PASS, WARN (the course runs, with a caveat) or FAIL (it will not), with the fix.
 It checks: the Python version; that the pinned packages import, at the versions in
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-CODE = Path(__file__).resolve().parent.parent
+CODE = Path(__file__).resolve().parents[2]
 ROOT = CODE.parent
 PYTHONS = ((3, 10), (3, 12))  # as the Makefile's check_python: tested with 3.11
 # import name -> distribution name in requirements.txt
@@ -104,7 +104,7 @@ def check_torchrun(nproc: int = 2, limit: float = TORCHRUN_LIMIT_S,
         try:
             out = proc.communicate(timeout=limit)[0]
         except subprocess.TimeoutExpired:
-            from distkit.notebook import stop_launch  # the ranks run in sessions of their own
+            from distkit.course.notebook import stop_launch  # the ranks run in sessions of their own
             stop_launch(proc, grace=10, drain=True)
             return Result("FAIL", "torchrun", f"{nproc} processes did not finish in {limit} s",
                           "run `code/run_w_torchrun.sh 2 ch00_collectives/hello_torchrun.py` "

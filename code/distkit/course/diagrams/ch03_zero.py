@@ -6,10 +6,10 @@ import math
 
 from matplotlib.patches import Rectangle
 
-from distkit.diagrams.shapes import (FONT, INK, MONO, RIGHT, SMALL, STORE_EDGE, STORE_FACE, WRONG,
+from distkit.course.diagrams.shapes import (FONT, INK, MONO, RIGHT, SMALL, STORE_EDGE, STORE_FACE, WRONG,
                                      box, canvas, tint, title)
 from distkit.memory import GB, MIXED_ADAMW, STAGES, communication_bytes, model_state_bytes
-from distkit.plots import RANK_COLORS, STATE_COLORS
+from distkit.course.plots import RANK_COLORS, STATE_COLORS
 
 # float_formats: sign, exponent and mantissa bits
 FIELD_COLORS = {"sign": "#c0504d", "exponent": "#4f8a3c", "mantissa": "#4a72a8"}

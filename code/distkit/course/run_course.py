@@ -24,7 +24,7 @@ import nbformat
 import papermill
 from jupyter_client.manager import AsyncKernelManager
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # Seconds per notebook on a 2-core laptop, until a run here has measured them: 66 on average on an
 # idle one (2026-11-26), and machines of that kind differ about 2x.
 GUESS_S = 100

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-from distkit.diagrams.shapes import (CKPT_EDGE, FAINT, FONT, INK, MONO, RIGHT, SHARED, SMALL,
+from distkit.course.diagrams.shapes import (CKPT_EDGE, FAINT, FONT, INK, MONO, RIGHT, SHARED, SMALL,
                                      STORE_EDGE, STORE_FACE, STORE_INK, WRONG, arrow, box, canvas,
                                      comm, slot, step_mark, tint, title)
-from distkit.plots import RANK_COLORS
+from distkit.course.plots import RANK_COLORS
 
 EVAL_COLOR = RIGHT  # capstone_step: an evaluation of the held-out loss
 
@@ -361,7 +361,7 @@ def multinode_launch():
     for i, note in enumerate((
             "The same path as on the cluster: rendezvous, node ranks, RANK, one process group "
             "over both \"nodes\"; only the links differ (loopback TCP).",
-            "In a notebook, distkit.notebook.launch_nodes(2, 1, \"ch06_capstone/train_llama.py\", "
+            "In a notebook, distkit.course.notebook.launch_nodes(2, 1, \"ch06_capstone/train_llama.py\", "
             "...) starts both at once, then prints their output node by node.")):
         ax.text(0.15, mtop - mh - 0.25 - i * 0.21, note, fontsize=SMALL, color="0.3",
                 va="center")

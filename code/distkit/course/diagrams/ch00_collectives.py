@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from matplotlib.patches import Patch, Rectangle
 
-from distkit.diagrams.shapes import (FAINT, FONT, INK, MONO, SHARED, SMALL, STORE_EDGE, STORE_FACE,
+from distkit.course.diagrams.shapes import (FAINT, FONT, INK, MONO, SHARED, SMALL, STORE_EDGE, STORE_FACE,
                                      STORE_INK, arrow, box, canvas, tint, title)
-from distkit.plots import RANK_COLORS
+from distkit.course.plots import RANK_COLORS
 
 RING_CELL, RING_GAP = 0.62, 0.3  # ring_allreduce: chunk width, and the gap arrows cross
 

@@ -1,8 +1,8 @@
-"""Chapter 06's exercise checks (distkit.exercise imports every distkit.exercise_* module)."""
+"""Exercise checks for chapter 06 (the capstone); see distkit/course/checks/__init__.py."""
 from pathlib import Path
 
-from distkit.exercise import exercise
-from distkit.exercise_checks import losses_match
+from distkit.course.exercise import exercise
+from distkit.course.checks import losses_match
 
 REPLICATE = 2  # the script's default: two "nodes"
 

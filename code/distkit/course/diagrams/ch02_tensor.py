@@ -2,10 +2,10 @@
 and TP combine on a device mesh."""
 from __future__ import annotations
 
-from distkit.diagrams.shapes import (FONT, INK, MONO, SHARED, SMALL, STORE_EDGE, STORE_FACE,
+from distkit.course.diagrams.shapes import (FONT, INK, MONO, SHARED, SMALL, STORE_EDGE, STORE_FACE,
                                      STORE_INK, arrow, box, canvas, comm, key_boxes, tint,
                                      title)
-from distkit.plots import RANK_COLORS
+from distkit.course.plots import RANK_COLORS
 
 
 def _lanes(ax, x, w, lanes, texts, *, size=SMALL + 0.5, face_amount=0.3):

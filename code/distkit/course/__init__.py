@@ -1,0 +1,17 @@
+"""distkit.course: the course's own tooling, which lesson scripts never import.
+
+Used by the notebooks:
+- `notebook`: launch a lesson script from a cell (failing the cell when the launch fails, with
+  the script's last lines in the error), diffs and source excerpts of scripts.
+- `plots`: the measured pictures the notebooks draw from their runs' JSON.
+
+Behind the `make` targets:
+- `run_course`: `make course`, every notebook through papermill.
+- `check`: `make check`, a pre-flight for a participant's machine.
+- `exercise` and `checks/` (one module per chapter): `make exercise EX=NN.k` checks a learner's
+  file; starters are generated from the solutions.
+- `site` and `site_template/`: `make site`, the course as a static website.
+- `gpu_smoke`: `make gpu-smoke`, every chapter's GPU path where GPUs exist.
+- `diagrams/`: `make images`, the explanatory pictures in images/ (one module per chapter).
+- `torchrun`: torchrun as `code/run_w_torchrun.sh` runs it, with a short failure report.
+"""

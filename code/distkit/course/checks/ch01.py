@@ -1,0 +1,58 @@
+"""Exercise checks for chapter 01 (DDP); see distkit/course/checks/__init__.py."""
+from distkit.course.exercise import exercise
+from distkit.course.checks import losses_match
+
+
+@exercise("01.1", "ch01_ddp/exercises/ex01_manual_ddp.py")
+def manual_ddp(run):
+    b, samples = 8, 64
+    single = None
+    for flag, calls in (([], 21), (["--flat"], 1)):
+        mode = "--flat" if flag else "per tensor"
+        res = run("--batch-size", b, "--samples", samples, *flag)
+        ident = res["identical"]
+        yield (ident["start"] is False, f"{mode}: the ranks start from different weights",
+               f"{mode}: the ranks start from identical weights: the check of the broadcast "
+               "proves nothing (keep torch.manual_seed(env.rank))")
+        yield (ident["broadcast"], f"{mode}: after the broadcast, weights and buffers identical",
+               f"{mode}: after the broadcast the ranks' weights or buffers still differ")
+        if single is None:  # the one-process reference, once, when the first losses are due
+            single = run.single("ch01_ddp/train_single.py", "--batch-size", run.nproc * b,
+                                "--samples", samples)["losses"]
+        yield losses_match(res["losses"], single, 1e-4,
+                           f"train_single.py --batch-size {run.nproc * b}'s")
+        yield (res["calls_per_step"] == calls, f"{mode}: {calls} all_reduce call(s) per step",
+               f"{mode}: {res['calls_per_step']} all_reduce calls counted per step, expected "
+               f"{calls}")
+        yield (ident["end"], f"{mode}: weights identical on every rank after training",
+               f"{mode}: the ranks' weights differ after training")
+
+
+@exercise("01.2", "ch01_ddp/exercises/ex01_overlap.py")
+def overlap(run):
+    res = run("--steps", "3")
+    n, grad_bytes = res["num_param_tensors"], res["grad_bytes"]
+    for mode, r in res["modes"].items():
+        for what, key, tol in (("losses", "loss", 1e-5), ("gradients", "grad", 1e-5),
+                               ("weights", "weight", 1e-4)):
+            gap = r[f"max_{key}_diff"]
+            yield (gap < tol, f"{mode}: {what} = one process's (< {tol:.0e})",
+                   f"{mode}: {what} differ from one process's by {gap:.1e} (tolerance {tol:.0e})")
+        bytes_ = set(r["bytes_per_step"])
+        yield (bytes_ == {grad_bytes}, f"{mode}: every gradient byte all-reduced once per step",
+               f"{mode}: {sorted(bytes_)} bytes all-reduced per step, the gradients are "
+               f"{grad_bytes:,}")
+        calls = set(r["calls_per_step"])
+        want = {"flat": 1, "per-param": n, "bucketed": len(r.get("buckets", []))}[mode]
+        yield (calls == {want}, f"{mode}: {want} all_reduce(s) per step",
+               f"{mode}: {sorted(calls)} all_reduces per step, expected {want}")
+        if mode != "flat":
+            during = all(c["launched"] < s["backward_end"] for s in r["steps"] for c in s["calls"])
+            yield (during, f"{mode}: every all_reduce launched during backward",
+                   f"{mode}: an all_reduce was launched after backward ended: no overlap")
+    buckets = res["modes"]["bucketed"]["buckets"]
+    cap = res["bucket_mb"] * 2**20
+    yield (1 < len(buckets) < n and all(x >= cap for x in buckets[:-1]),
+           f"bucketed: {len(buckets)} buckets, each closed once it reached --bucket-mb",
+           f"bucketed: buckets of {buckets} bytes: each but the last should reach "
+           f"{cap:,.0f} bytes, and there should be more than 1 and fewer than {n}")

@@ -1,0 +1,39 @@
+"""Exercise checks for chapter 02 (model parallelism); see distkit/course/checks/__init__.py."""
+from distkit.course.exercise import exercise
+from distkit.course.checks import losses_match
+
+
+@exercise("02.1", "ch02_model_parallel/exercises/ex02_gpipe_by_hand.py")
+def gpipe(run):
+    layers = 3 if run.nproc == 3 else 2  # every stage as many decoder layers
+    m, batch, samples = 4, 16, 64
+    args = ("--microbatches", m, "--layers", layers, "--samples", samples, "--epochs", 1)
+    single = run.single("ch02_model_parallel/naive_split.py", "--layers", layers,
+                        "--samples", samples, "--epochs", 1)["losses"]
+    res = run(*args)
+    yield losses_match(res["losses"], single, 1e-4, "naive_split.py's on one process")
+    steps = samples // batch
+    forwards = [sum(s[0] == "F" for s in spans) for spans in res["spans"]]
+    yield (forwards == [m * steps] * run.nproc,
+           f"every stage ran {m} forwards per step ({m * steps} in {steps} steps)",
+           f"forwards timed per stage: {forwards}, expected {m * steps} each "
+           "(timeline.span(\"F\", i) around each micro-batch's compute)")
+    backwards = [sum(s[0] == "B" for s in spans) for spans in res["spans"]]
+    yield (backwards == [m * steps] * run.nproc, f"and {m} backwards per step",
+           f"backwards timed per stage: {backwards}, expected {m * steps} each")
+
+
+@exercise("02.2", "ch02_model_parallel/exercises/ex02_megatron_mlp.py", nprocs=(2, 4))
+def megatron(run):
+    res = run()
+    act = res["activation_bytes"]
+    for way in ("forward", "backward"):
+        n, b = res["all_reduce_calls"][way], res["all_reduce_bytes"][way]
+        yield ((n, b) == (1, act), f"{way}: 1 all_reduce of one [B, S, h] activation ({act} B)",
+               f"{way}: {n} all_reduce(s) of {b} B in all; Megatron's MLP makes 1 of {act} B")
+    for name, errors in res["errors"].items():
+        for what, err in errors.items():
+            tol = res["tolerances"][what]
+            yield (err < tol, f"{name}: {what} = the unsharded model's (< {tol:g})",
+                   f"{name}: {what} differs from the unsharded model's by {err:.1e} "
+                   f"(tolerance {tol:g})")

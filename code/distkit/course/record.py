@@ -1,0 +1,148 @@
+"""Record a notebook's stored outputs: execute it in place, and refuse a recording made on a busy
+machine.
+
+    make record NB=04                      # notebooks/04_*.ipynb
+    python -m distkit.course.record notebooks/04_fsdp2.ipynb [--allow-load]
+
+Stored timings teach only when nothing else ran beside them: a notebook recorded while other
+programs kept the cores busy shows a machine's load, not the lesson ("overlap hid 114 %"). So the
+recorder measures, for every cell, how much CPU *other* processes used while it ran (the
+machine's busy CPU-seconds from /proc/stat, less those of this recorder, the kernel and every
+process they started) and how much the cell itself used. A cell during which others kept more
+than FOREIGN_LIMIT cores busy is named, and the recording is refused: the notebook is left as
+it was, unless --allow-load (a draft, to be re-recorded on an idle machine). Before it starts,
+the 1-minute load average must not exceed the core count.
+
+Linux only (/proc/stat); elsewhere it records without the check and says so.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+FOREIGN_LIMIT = 0.5  # cores that other processes may keep busy, on average over a cell
+
+
+def busy_seconds() -> float | None:
+    """CPU-seconds the whole machine has spent busy (all cores, /proc/stat), or None."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = map(int, fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_seconds(pids: list[int]) -> float:
+    """CPU-seconds of these processes, their waited-for children, and every live descendant."""
+    import psutil
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for p in procs:
+            try:
+                t = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system + (t.children_user + t.children_system if p is root else 0)
+    return total
+
+
+class LoadWatch:
+    """Per cell: wall seconds, this recording's CPU-seconds and other processes' CPU-seconds."""
+
+    def __init__(self):
+        self.pids = [os.getpid()]
+        self.rows = []  # (cell index, wall s, own CPU-s, foreign cores)
+        self._start = None
+
+    def start(self, cell_index: int):
+        self._start = (cell_index, time.monotonic(), busy_seconds(), tree_seconds(self.pids))
+
+    def stop(self):
+        if self._start is None:
+            return
+        index, t0, busy0, own0 = self._start
+        wall, busy1, own1 = time.monotonic() - t0, busy_seconds(), tree_seconds(self.pids)
+        if busy0 is not None and busy1 is not None and wall > 0:
+            own = own1 - own0
+            foreign = max(0.0, (busy1 - busy0) - own) / wall
+            self.rows.append((index, wall, own, foreign))
+        self._start = None
+
+    def busy_cells(self) -> list[tuple]:
+        return [r for r in self.rows if r[3] > FOREIGN_LIMIT]
+
+
+def record(path: Path, allow_load: bool = False, timeout: int = 900) -> int:
+    import nbformat
+    from nbclient import NotebookClient
+
+    cores = os.cpu_count() or 1
+    if hasattr(os, "getloadavg") and os.getloadavg()[0] > cores and not allow_load:
+        print(f"record: the 1-minute load average is {os.getloadavg()[0]:.1f} on {cores} cores: "
+              "wait for an idle machine (or --allow-load for a draft)", file=sys.stderr)
+        return 1
+    nb = nbformat.read(path, as_version=4)
+    watch = LoadWatch()
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+
+    async def on_start(cell, cell_index, **_):
+        if not watch.pids[1:] and client.km is not None:
+            process = getattr(getattr(client.km, "provisioner", None), "process", None)
+            if process is not None:
+                watch.pids.append(process.pid)
+        watch.start(cell_index)
+
+    async def on_done(cell, cell_index, **_):
+        watch.stop()
+
+    client.on_cell_execute = on_start
+    client.on_cell_executed = on_done
+    t0 = time.monotonic()
+    client.execute()
+    wall = time.monotonic() - t0
+    own = sum(r[2] for r in watch.rows)
+    print(f"record: {path.name} executed in {wall:.0f} s, {own:.0f} CPU-s of its own")
+    if not watch.rows:
+        print("record: no /proc/stat here: the machine's load was not checked")
+    busy = watch.busy_cells()
+    for index, secs, _, foreign in busy:
+        print(f"record: cell {index} ran {secs:.1f} s while other processes kept {foreign:.1f} "
+              f"cores busy (limit {FOREIGN_LIMIT})", file=sys.stderr)
+    if busy and not allow_load:
+        print(f"record: refused, {path.name} left as it was: record it on an idle machine "
+              "(or --allow-load for a draft)", file=sys.stderr)
+        return 1
+    nbformat.write(nb, path)
+    print(f"record: wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}"
+          + (" (a draft: recorded under load)" if busy else ""))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distkit.course.record",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="+", type=Path)
+    parser.add_argument("--allow-load", action="store_true",
+                        help="write the outputs even if the machine was busy (a draft)")
+    args = parser.parse_args(argv)
+    status = 0
+    for path in args.notebooks:
+        if not path.exists():
+            parser.error(f"no such notebook: {path}")
+        status |= record(path.resolve(), args.allow_load)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
