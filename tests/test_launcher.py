@@ -344,3 +344,33 @@ def test_the_console_copy_keeps_a_line_written_at_the_last_moment(tmp_path):
     spec.loader.exec_module(original)  # torch's own, unpatched
     assert shown(original.tail_logfile) == ""  # the race, in torch's (fixed there: drop ours)
     assert shown(torchrun.tail_logfile) == "[default1]:rank=1\n"
+
+
+# torch 2.13.0's tail_logfile, as ast.unparse prints it (comments and layout aside): the function
+# distkit.course.torchrun replaces (see the test above for the race it has).
+TORCH_TAIL_LOGFILE_SHA256 = "bac8dcef549c637f"
+
+
+def test_torch_tail_logfile_is_the_one_we_replace():
+    """distkit.course.torchrun swaps torch's tail_logfile for a copy without its race, by name
+    (TailLog.start submits the module-level `tail_logfile`). If torch changes either, the copy may
+    silently be wrong or unused: this test fails and says what to do."""
+    import ast
+    import hashlib
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch.distributed.elastic.multiprocessing.tail_log")
+    tree = ast.parse(open(spec.origin).read())
+    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef)
+               and n.name == "tail_logfile"), None)
+    todo = ("re-read torch/distributed/elastic/multiprocessing/tail_log.py: if torch fixed the race "
+            "(a line written between the last end-of-file read and the look at `finished` is "
+            "lost), delete distkit.course.torchrun.tail_logfile and the line that installs it; "
+            "else port the change into our copy and update TORCH_TAIL_LOGFILE_SHA256")
+    assert fn is not None, f"torch's tail_log.py has no tail_logfile any more: {todo}"
+    digest = hashlib.sha256(ast.unparse(fn).encode()).hexdigest()[:16]
+    assert digest == TORCH_TAIL_LOGFILE_SHA256, f"torch's tail_logfile changed: {todo}"
+    tail_log = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TailLog")
+    start = next(n for n in tail_log.body if isinstance(n, ast.FunctionDef) and n.name == "start")
+    names = {n.id for n in ast.walk(start) if isinstance(n, ast.Name)}
+    assert "tail_logfile" in names, f"TailLog.start no longer calls tail_logfile by name: {todo}"
