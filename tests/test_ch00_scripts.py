@@ -134,7 +134,7 @@ def test_notebook_parameter_checks(override, message):
 @pytest.mark.second_nproc
 def test_notebook_at_three_processes(tmp_path):
     """The whole notebook with papermill at N = 3 and small sizes, from the repo root, as the
-    README shows it: every launch and every assert in it must pass on 3 ranks too."""
+    docs/parameters.md shows it: every launch and every assert in it must pass on 3 ranks too."""
     out = tmp_path / "ch00_n3.ipynb"
     proc = subprocess.run(
         [sys.executable, "-m", "papermill", str(NOTEBOOK.relative_to(ROOT)), str(out),

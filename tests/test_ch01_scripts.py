@@ -49,7 +49,7 @@ def test_notebook_rejects_bad_parameters(tmp_path, batch, message):
 
 @pytest.mark.second_nproc
 def test_notebook_at_three_processes(tmp_path):
-    """The README's plain papermill command, run from notebooks/ without PYTHONPATH (the ch00
+    """docs/parameters.md's plain papermill command, run from notebooks/ without PYTHONPATH (the ch00
     test runs from the repo root), at NPROC=3 (BATCH must then be 24): the parity asserts, and
     the resume cell, which at N > 2 pins the buckets and must then be bit-exact too."""
     out = tmp_path / "out.ipynb"

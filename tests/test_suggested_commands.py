@@ -1,8 +1,8 @@
 """Every papermill command the course suggests passes the notebook's own parameter check.
 
 A notebook's parameters cell and its prose suggest overrides (`-p NPROC 4 -p LAYERS 4` on a
-4-GPU node); the README gives whole `papermill notebooks/NN_x.ipynb ... -p ...` lines. A
-suggestion that the next cell's `require(...)` rejects sends a learner on a GPU node straight
+4-GPU node); the README and docs/ give whole `papermill notebooks/NN_x.ipynb ... -p ...`
+lines. A suggestion that the next cell's `require(...)` rejects sends a learner on a GPU node straight
 into an error. Each one is checked here the way papermill would run it, but only as far as the
 check: the parameters cell, papermill's injected values, then the first code cell after the
 parameters (the check), in a scratch folder (the check cells create and empty build/chNN).
@@ -60,9 +60,14 @@ def suggests(line: str) -> bool:
         return False
 
 
+# The README and the reference pages in docs/ (docs/parameters.md holds the papermill examples)
+DOCS = "\n".join(p.read_text()
+                 for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+
+
 def suggestions() -> list:
     """(notebook, command) for every suggestion: in a notebook's parameters cell (its comments)
-    or markdown, and the README's `papermill notebooks/...` lines."""
+    or markdown, and the `papermill notebooks/...` lines of the README and docs/."""
     cases = []
     for path in NOTEBOOKS:
         cells = nbformat.read(path, as_version=4).cells
@@ -70,8 +75,7 @@ def suggestions() -> list:
             tagged = "parameters" in cell.metadata.get("tags", [])
             if tagged or cell.cell_type == "markdown":
                 cases += [(path.name, c) for c in commands_in(cell.source)]
-    readme = (ROOT / "README.md").read_text()
-    for line in readme.splitlines():
+    for line in DOCS.splitlines():
         if m := re.search(r"papermill (notebooks/)?(\d\d_\w+\.ipynb)\s.*", line):
             cases.append((m.group(2), m.group(0)))
     return cases
@@ -98,18 +102,17 @@ def test_suggested_command_passes_the_check(notebook, command, tmp_path, monkeyp
         pytest.fail(f"{notebook}: the suggested {command!r} fails its check cell: {e}")
 
 
-# The README's `python -m distkit.course.run_course -p NAME=VALUE ...`: every notebook gets the values
-RUN_COURSE = re.findall(r"distkit\.course\.run_course((?:\s+-p\s+\w+=\S+)+)",
-                        (ROOT / "README.md").read_text())
+# docs' `python -m distkit.course.run_course -p NAME=VALUE ...`: every notebook gets the values
+RUN_COURSE = re.findall(r"distkit\.course\.run_course((?:\s+-p\s+\w+=\S+)+)", DOCS)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name[:2])
 def test_readme_run_course_parameters_pass_every_notebooks_check(path, tmp_path, monkeypatch):
     """run_course passes its -p values to every notebook (papermill injects them; a notebook
-    without such a parameter ignores it), so each notebook's check must accept the README's
+    without such a parameter ignores it), so each notebook's check must accept the docs'
     suggestion: `-p NPROC=4` once failed notebook 05 (CRASH_STEP 13 past its 10 steps) and 06
     (BATCH 16 no multiple of MICRO 8 x 4); both now follow NPROC unless given."""
-    assert RUN_COURSE, "the README no longer suggests a run_course -p command"
+    assert RUN_COURSE, "docs/ no longer suggest a run_course -p command"
     cell = next(c for c in nbformat.read(path, as_version=4).cells
                 if "parameters" in c.metadata.get("tags", []))
     names = {}
@@ -121,4 +124,4 @@ def test_readme_run_course_parameters_pass_every_notebooks_check(path, tmp_path,
         try:
             run_parameter_check(path.name, values, tmp_path / str(i), monkeypatch)
         except ValueError as e:
-            pytest.fail(f"{path.name}: the README's run_course{options} fails its check: {e}")
+            pytest.fail(f"{path.name}: the docs' run_course{options} fails its check: {e}")

@@ -16,7 +16,7 @@ its line says so. On a machine without CUDA it says "no CUDA GPU:
 skipped" and exits 0, so CI and laptops can call it.
 
 It is how a workshop checks a cluster node before the session, and how the course's GPU claims
-stay honest: the README says when it last ran, and on what. Each run writes into
+stay honest: docs/gpu_run_record.md says when it last ran, and on what. Each run writes into
 build/gpu-smoke/<name>/ ({out} in the table below), its console output into output.log there.
 """
 from __future__ import annotations
