@@ -14,6 +14,13 @@ it was, unless --allow-load (a draft, to be re-recorded on an idle machine). Bef
 the 1-minute load average must not exceed the core count.
 
 Linux only (/proc/stat); elsewhere it records without the check and says so.
+
+Every recording also stores the notebook-level metadata JupyterLab writes when it opens the
+notebook (the kernelspec's name, display name and language; the kernel's language_info), so that
+opening a notebook in `make lab` leaves it unmodified (tests/test_lab.py checks it). Only that
+metadata, without executing anything (e.g. after a notebook was recorded elsewhere):
+
+    python -m distkit.course.record --metadata notebooks/*.ipynb
 """
 from __future__ import annotations
 
@@ -82,6 +89,47 @@ class LoadWatch:
         return [r for r in self.rows if r[3] > FOREIGN_LIMIT]
 
 
+def kernelspec_metadata(kernel_name: str = "python3") -> dict:
+    """The `kernelspec` JupyterLab stores on open: exactly these three keys, from the spec."""
+    from jupyter_client.kernelspec import KernelSpecManager
+    spec = KernelSpecManager().get_kernel_spec(kernel_name)
+    return {"display_name": spec.display_name, "language": spec.language, "name": kernel_name}
+
+
+def kernel_metadata(kernel_name: str = "python3") -> dict:
+    """The notebook-level metadata JupyterLab writes when it opens a notebook on this kernel:
+    the kernelspec, and the language_info of the kernel's kernel_info reply (its Python's
+    version among them). Starts the kernel once (about a second)."""
+    import subprocess
+
+    from jupyter_client.manager import start_new_kernel
+    # Its stderr is the kernel's start-up chatter ("running over TCP without encryption").
+    km, kc = start_new_kernel(kernel_name=kernel_name, stderr=subprocess.DEVNULL)
+    try:
+        kc.kernel_info()
+        info = kc.get_shell_msg(timeout=60)["content"]["language_info"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    return {"kernelspec": kernelspec_metadata(kernel_name), "language_info": info}
+
+
+def normalise_metadata(paths: list[Path], metadata: dict | None = None) -> list[Path]:
+    """Store `metadata` (default: this machine's kernel_metadata()) in each notebook, changing
+    nothing else; returns the notebooks it changed."""
+    import nbformat
+    metadata = metadata or kernel_metadata()
+    changed = []
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        if all(nb.metadata.get(k) == v for k, v in metadata.items()):
+            continue
+        nb.metadata.update(metadata)
+        nbformat.write(nb, path)
+        changed.append(path)
+    return changed
+
+
 def record(path: Path, allow_load: bool = False, timeout: int = 900) -> int:
     import nbformat
     from nbclient import NotebookClient
@@ -123,6 +171,8 @@ def record(path: Path, allow_load: bool = False, timeout: int = 900) -> int:
         print(f"record: refused, {path.name} left as it was: record it on an idle machine "
               "(or --allow-load for a draft)", file=sys.stderr)
         return 1
+    # nbclient stored the kernel's language_info; the kernelspec as JupyterLab writes it too.
+    nb.metadata["kernelspec"] = kernelspec_metadata(client.kernel_name)
     nbformat.write(nb, path)
     print(f"record: wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}"
           + (" (a draft: recorded under load)" if busy else ""))
@@ -135,11 +185,20 @@ def main(argv=None) -> int:
     parser.add_argument("notebooks", nargs="+", type=Path)
     parser.add_argument("--allow-load", action="store_true",
                         help="write the outputs even if the machine was busy (a draft)")
+    parser.add_argument("--metadata", action="store_true",
+                        help="execute nothing: only store the metadata JupyterLab writes on open")
     args = parser.parse_args(argv)
-    status = 0
     for path in args.notebooks:
         if not path.exists():
             parser.error(f"no such notebook: {path}")
+    if args.metadata:
+        changed = normalise_metadata([p.resolve() for p in args.notebooks])
+        for path in changed:
+            print(f"record: wrote the metadata of {path.relative_to(ROOT)}")
+        print(f"record: {len(args.notebooks) - len(changed)} notebook(s) already had it")
+        return 0
+    status = 0
+    for path in args.notebooks:
         status |= record(path.resolve(), args.allow_load)
     return status
 
