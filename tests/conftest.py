@@ -67,7 +67,8 @@ def launcher_env(env=None) -> dict:
 
 def run_launcher(*args, env=None, timeout=180) -> subprocess.CompletedProcess:
     """code/run_w_torchrun.sh ARGS...; the timeout keeps a hung launch from hanging the suite.
-    On a timeout the whole launch is stopped as a notebook's cell stops it (distkit.course.notebook's
+    On a timeout the whole launch is stopped as a notebook's cell stops it
+    (distkit.course.notebook's
     stop_launch: the ranks run in sessions of their own, so killing the launcher would leave
     them running)."""
     proc = subprocess.Popen([str(LAUNCHER), *map(str, args)], stdout=subprocess.PIPE,
@@ -142,7 +143,8 @@ def check_starter(folder: str, name: str, stops: int) -> None:
         assert lines[i - 1].strip().startswith("#"), lines[i]
         assert any("# TODO(you)" in ln for ln in lines[max(0, i - 5):i]), lines[i]
     if "### BEGIN SOLUTION" in solution:  # one source: the starter is generated from it, the
-        # docstring shared (it names TODOs); no todo() call left in the code (distkit/course/exercise.py)
+        # docstring shared (it names TODOs); no todo() call left in the code
+        # (distkit/course/exercise.py)
         from distkit.course.exercise import first_todo
         assert first_todo(CODE / folder / "solutions" / name) is None
     else:

@@ -111,7 +111,8 @@ def test_run_course_reports_pass_and_fail(tmp_path):
     own children counted too, as torchrun's ranks are), exit status 1 when a notebook fails."""
     import nbformat
 
-    from distkit.course.run_course import GUESS_S, minutes  # no earlier run here: the guess per notebook
+    # no earlier run here: the guess per notebook
+    from distkit.course.run_course import GUESS_S, minutes
     burn = "import time\nwhile time.process_time() < 1.5: pass"  # a child of the kernel: 1.5 CPU-s
     ok = write_notebook(tmp_path / "01_ok.ipynb", "NPROC = 2",
                         "assert NPROC == 4, NPROC\nimport subprocess, sys\n"
@@ -163,7 +164,8 @@ def test_launch_expect_failure_shows_rank_errors(capsys):
 
 
 def test_older_torchrun_gets_no_shutdown_timeout():
-    """torch 2.11's torchrun (a GPU machine's image) has no --shutdown-timeout: distkit.course.torchrun
+    """torch 2.11's torchrun (a GPU machine's image) has no --shutdown-timeout:
+    distkit.course.torchrun
     drops it there, and keeps it where torchrun knows it (the course's torch)."""
     import argparse
 

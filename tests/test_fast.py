@@ -1,4 +1,5 @@
-"""`make course FAST=1`: each notebook's FAST parameters (distkit/course/run_course.py) are parameters of
+"""`make course FAST=1`: each notebook's FAST parameters (distkit/course/run_course.py) are
+parameters of
 that notebook, of their defaults' types, and pass the notebook's own parameter check.
 
 Without running the notebooks: the parameters cell runs here, then the FAST values as papermill

@@ -20,7 +20,8 @@ def test_environment_yml_has_the_same_pins_as_requirements():
     req = pins((ROOT / "requirements.txt").read_text().splitlines())
     env = pins((ROOT / "environment.yml").read_text().splitlines())
     assert "torch==2.13.0" in req
-    assert env == req, f"only in requirements.txt: {req - env}; only in environment.yml: {env - req}"
+    assert env == req, (f"only in requirements.txt: {req - env}; "
+                        f"only in environment.yml: {env - req}")
 
 
 def test_every_requirement_is_pinned_exactly():
@@ -52,7 +53,8 @@ def _nbval(tmp_path, source):
                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
 
 
-SETUP = f"import sys; sys.path.insert(0, {str(ROOT / 'code')!r})\nfrom distkit.course.notebook import launch\n"
+SETUP = (f"import sys; sys.path.insert(0, {str(ROOT / 'code')!r})\n"
+         "from distkit.course.notebook import launch\n")
 
 
 def test_nbval_passes_a_cell_whose_launch_succeeds(tmp_path):

@@ -1,4 +1,5 @@
-"""images/ holds the diagrams drawn by distkit.course.diagrams, and the notebooks show only those."""
+"""images/ holds the diagrams drawn by distkit.course.diagrams, and the notebooks show only
+those."""
 import os
 import re
 import subprocess
@@ -73,7 +74,8 @@ def test_notebook_images_are_drawn_by_code(notebook, ref):
 
 def test_images_folder_holds_exactly_the_drawn_diagrams():
     committed = {p.stem for p in IMAGES.glob("*.png")}
-    assert not committed - set(DIAGRAMS), \
-        f"images not drawn by distkit.course.diagrams (hand-made?): {sorted(committed - set(DIAGRAMS))}"
+    assert not committed - set(DIAGRAMS), (
+        "images not drawn by distkit.course.diagrams (hand-made?): "
+        f"{sorted(committed - set(DIAGRAMS))}")
     assert not set(DIAGRAMS) - committed, \
         f"diagrams missing from images/ (run `make images`): {sorted(set(DIAGRAMS) - committed)}"

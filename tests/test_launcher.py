@@ -150,7 +150,8 @@ def test_an_interrupted_cell_stops_every_rank_and_says_so_in_one_line(hung_rank_
     kc.start_channels()
     try:
         kc.wait_for_ready(timeout=60)
-        msg_id = kc.execute(f"from distkit.course.notebook import launch\nlaunch(2, {str(hung_rank_1)!r})")
+        msg_id = kc.execute("from distkit.course.notebook import launch\n"
+                            f"launch(2, {str(hung_rank_1)!r})")
         out = ""
         while not ("rank 0 up" in out and "rank 1 up" in out):
             msg = kc.get_iopub_msg(timeout=120)
@@ -363,7 +364,8 @@ def test_torch_tail_logfile_is_the_one_we_replace():
     tree = ast.parse(open(spec.origin).read())
     fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef)
                and n.name == "tail_logfile"), None)
-    todo = ("re-read torch/distributed/elastic/multiprocessing/tail_log.py: if torch fixed the race "
+    todo = ("re-read torch/distributed/elastic/multiprocessing/tail_log.py: if torch fixed the "
+            "race "
             "(a line written between the last end-of-file read and the look at `finished` is "
             "lost), delete distkit.course.torchrun.tail_logfile and the line that installs it; "
             "else port the change into our copy and update TORCH_TAIL_LOGFILE_SHA256")

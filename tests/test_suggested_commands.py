@@ -2,9 +2,9 @@
 
 A notebook's parameters cell and its prose suggest overrides (`-p NPROC 4 -p LAYERS 4` on a
 4-GPU node); the README and docs/ give whole `papermill notebooks/NN_x.ipynb ... -p ...`
-lines. A suggestion that the next cell's `require(...)` rejects sends a learner on a GPU node straight
-into an error. Each one is checked here the way papermill would run it, but only as far as the
-check: the parameters cell, papermill's injected values, then the first code cell after the
+lines. A suggestion that the next cell's `require(...)` rejects sends a learner on a GPU node
+straight into an error. Each one is checked here the way papermill would run it, but only as far
+as the check: the parameters cell, papermill's injected values, then the first code cell after the
 parameters (the check), in a scratch folder (the check cells create and empty build/chNN).
 Notebooks are found by glob, so a new chapter is covered as soon as it exists.
 """

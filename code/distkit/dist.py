@@ -120,7 +120,8 @@ def todo(what: str):
 
 
 def int_list(text: str) -> list[int]:
-    """An argparse `type=` for "1,2,4,8" (an empty string gives []): a bad item is one clear line."""
+    """An argparse `type=` for "1,2,4,8" (an empty string gives []): a bad item is one clear
+    line."""
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:

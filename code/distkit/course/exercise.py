@@ -12,9 +12,9 @@ the run there (distkit.dist.todo). A region without a message is dropped (its hi
 comments): answers to the "Predict, then measure" questions.
 
 The checker (one entry per exercise, registered with @exercise in distkit/course/checks/chNN.py,
-one module per chapter) first looks for a todo() left in the file, without launching anything, then launches the file on each
-world size of the entry with --json and checks the results: one line per check, stopping at the
-first that fails.
+one module per chapter) first looks for a todo() left in the file, without launching anything,
+then launches the file on each world size of the entry with --json and checks the results: one
+line per check, stopping at the first that fails.
 """
 from __future__ import annotations
 

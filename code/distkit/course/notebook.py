@@ -187,7 +187,8 @@ def stop_launch(proc: subprocess.Popen, grace: float, drain: bool) -> tuple[int,
     still running after its shutdown timeout; `grace` seconds on, SIGKILL whatever is left of
     the launch (torchrun, the ranks, what they started: the ranks run in sessions of their own,
     so nothing else would). `drain`: read the output meanwhile (no one else reads it now), so
-    torchrun never blocks writing it. Returns the number of ranks stopped and the pids still alive."""
+    torchrun never blocks writing it. Returns the number of ranks stopped and the pids still
+    alive."""
     import psutil
     if proc.poll() is not None:  # torchrun has ended, and its ranks with it
         return 0, []
@@ -234,13 +235,15 @@ def rank_stacks(torchrun_pid: int) -> dict:
         rank = child.pid  # until its environment says which rank it is
         try:
             rank = int(child.environ().get("RANK", rank))
-            out = subprocess.run([str(py_spy) if py_spy.exists() else "py-spy", "dump", "--pid", str(child.pid)], capture_output=True,
+            out = subprocess.run([str(py_spy) if py_spy.exists() else "py-spy", "dump", "--pid",
+                                  str(child.pid)], capture_output=True,
                                  text=True, timeout=20)
         except (psutil.Error, OSError, subprocess.TimeoutExpired) as e:
             stacks[rank] = [f"py-spy failed: {e}"]
             continue
         if out.returncode:
-            stacks[rank] = [f"py-spy failed: {(out.stderr or out.stdout).strip().splitlines()[-1:]}"]
+            why = (out.stderr or out.stdout).strip().splitlines()[-1:]
+            stacks[rank] = [f"py-spy failed: {why}"]
             continue
         text = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout)  # py-spy colours even into a pipe
         frames = [ln.strip() for ln in text.splitlines() if ln.startswith("    ")]
@@ -308,7 +311,8 @@ def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 6
 def _gpus_per_node(nnodes: int, nproc: int) -> list[str]:
     """CUDA_VISIBLE_DEVICES for each rehearsal "node" (empty list: CPU, nothing to split)."""
     import torch
-    if os.environ.get("COURSE_DEVICE", "").strip().lower() == "cpu" or not torch.cuda.is_available():
+    on_cpu = os.environ.get("COURSE_DEVICE", "").strip().lower() == "cpu"
+    if on_cpu or not torch.cuda.is_available():
         return []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
@@ -351,7 +355,8 @@ def run_failing(cmd: list, limit: float, hide: dict | None = None) -> None:
     at most `limit` seconds: show the command, the lines of its output that name an error, and
     how it ended. Raises if it succeeds or is still running at `limit` (a demo of a failure may
     not hang the notebook). `hide` replaces text in what is shown (e.g. a port: {"29517": "$PORT"}).
-    A command starting with "torchrun" runs this Python's torchrun (python -m torch.distributed.run).
+    A command starting with "torchrun" runs this Python's torchrun
+    (python -m torch.distributed.run).
     """
     def shown(text):
         for old, new in (hide or {}).items():

@@ -5,7 +5,8 @@ Shows progress on stderr (notebook, code cell n of m, seconds so far), then prin
 executed copy of a failing notebook stays in build/ for inspection. CPU seconds are user + system
 time of the notebook's kernel and everything it started (torchrun, every rank), counted once
 they have exited: they vary less than wall seconds with other load on the machine.
-build/course_times.json keeps both per notebook (the next run's estimate). Each kernel's own messages (startup warnings,
+build/course_times.json keeps both per notebook (the next run's estimate). Each kernel's own
+messages (startup warnings,
 "KeyboardInterrupt caught in kernel" at shutdown, which is normal) go to
 build/<notebook>.kernel.log instead of the console.
 """
@@ -166,7 +167,8 @@ def main(argv=None) -> int:
     print(f"\n{'notebook':<{width}}  result  seconds    CPU-s")
     for name, status, secs, cpu in rows:
         print(f"{name:<{width}}  {status:<6}  {secs:7.1f}  {cpu:7.1f}")
-    print(f"{'total':<{width}}  {'':<6}  {sum(r[2] for r in rows):7.1f}  {sum(r[3] for r in rows):7.1f}")
+    wall, cpu = sum(r[2] for r in rows), sum(r[3] for r in rows)
+    print(f"{'total':<{width}}  {'':<6}  {wall:7.1f}  {cpu:7.1f}")
     failed = [row[0] for row in rows if row[1] != "pass"]
     if failed:
         print(f"failed: {', '.join(failed)} (executed copies in {args.out})", file=sys.stderr)

@@ -149,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = get_args_parser()  # torchrun's own (torch.distributed.run.parse_args builds it)
     args = parser.parse_args(older_torch(parser, sys.argv[1:] if argv is None else argv))
     if not args.log_dir:
-        sys.exit("distkit.course.torchrun: needs --log-dir DIR (torchrun's log and the ranks' logs)")
+        sys.exit("distkit.course.torchrun: needs --log-dir DIR (torchrun's log and the ranks' "
+                 "logs)")
     if getattr(args, "shutdown_timeout", None) is None:  # torchrun's default (launcher/api.py)
         args.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     if os.environ.pop(CALLER_STOPS, None):
-        # Launched by distkit.course.notebook.launch(): interrupting the kernel signals its whole process
+        # Launched by distkit.course.notebook.launch(): interrupting the kernel signals its whole
+        # process
         # group, this process included, and the kernel then stops the launch itself (SIGTERM,
         # once) to count the ranks it stopped. A no-op handler, not SIG_IGN: the ranks, started
         # by exec, get the default back (an ignored signal would stay ignored in them).

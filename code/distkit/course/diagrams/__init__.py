@@ -8,7 +8,8 @@ matplotlib Figure; `DIAGRAMS` maps an image name to its function, and `main()` s
 
     PYTHONPATH=code .venv/bin/python -m distkit.course.diagrams [--out DIR] [NAME | CHAPTER ...]
 
-e.g. `... -m distkit.course.diagrams ddp` (one diagram) or `... -m distkit.course.diagrams ch02` (a chapter's).
+e.g. `... -m distkit.course.diagrams ddp` (one diagram) or `... -m distkit.course.diagrams ch02`
+(a chapter's).
 
 Measured pictures (timelines, memory bars) are not here: notebook cells draw those from a run's
 JSON with `distkit.course.plots`. These diagrams explain what a technique does.
@@ -20,9 +21,9 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from distkit.course.diagrams import (ch00_collectives, ch01_ddp, ch02_pipeline, ch02_tensor, ch03_zero,
-                              ch04_fsdp2, ch05_checkpoint, ch06_capstone, ch07_debugging,
-                              ch08_plan)
+from distkit.course.diagrams import (ch00_collectives, ch01_ddp, ch02_pipeline, ch02_tensor,
+                                     ch03_zero, ch04_fsdp2, ch05_checkpoint, ch06_capstone,
+                                     ch07_debugging, ch08_plan)
 
 IMAGES = Path(__file__).resolve().parents[4] / "images"
 DPI = 110

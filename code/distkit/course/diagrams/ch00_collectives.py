@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from matplotlib.patches import Patch, Rectangle
 
-from distkit.course.diagrams.shapes import (FAINT, FONT, INK, MONO, SHARED, SMALL, STORE_EDGE, STORE_FACE,
-                                     STORE_INK, arrow, box, canvas, tint, title)
+from distkit.course.diagrams.shapes import (FAINT, FONT, INK, MONO, SHARED, SMALL, STORE_EDGE,
+                                            STORE_FACE, STORE_INK, arrow, box, canvas, tint, title)
 from distkit.course.plots import RANK_COLORS
 
 RING_CELL, RING_GAP = 0.62, 0.3  # ring_allreduce: chunk width, and the gap arrows cross

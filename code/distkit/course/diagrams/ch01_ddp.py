@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from matplotlib.patches import Rectangle
 
-from distkit.course.diagrams.shapes import (FONT, INK, MONO, SHARED, SMALL, STORE_EDGE, STORE_FACE, arrow,
-                                     box, canvas, tint, title)
+from distkit.course.diagrams.shapes import (FONT, INK, MONO, SHARED, SMALL, STORE_EDGE, STORE_FACE,
+                                            arrow, box, canvas, tint, title)
 from distkit.course.plots import RANK_COLORS
 
 

@@ -6,8 +6,8 @@ import math
 
 from matplotlib.patches import Rectangle
 
-from distkit.course.diagrams.shapes import (FONT, INK, MONO, RIGHT, SMALL, STORE_EDGE, STORE_FACE, WRONG,
-                                     box, canvas, tint, title)
+from distkit.course.diagrams.shapes import (FONT, INK, MONO, RIGHT, SMALL, STORE_EDGE, STORE_FACE,
+                                            WRONG, box, canvas, tint, title)
 from distkit.memory import GB, MIXED_ADAMW, STAGES, communication_bytes, model_state_bytes
 from distkit.course.plots import RANK_COLORS, STATE_COLORS
 

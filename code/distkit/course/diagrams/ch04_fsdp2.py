@@ -1,8 +1,8 @@
 """Chapter 04, FSDP2: the life of one fully_shard unit through a training step."""
 from __future__ import annotations
 
-from distkit.course.diagrams.shapes import (FAINT, FONT, INK, MONO, SMALL, STORE_INK, arrow, box, canvas,
-                                     comm, key_boxes, rank_region, tint, title)
+from distkit.course.diagrams.shapes import (FAINT, FONT, INK, MONO, SMALL, STORE_INK, arrow, box,
+                                            canvas, comm, key_boxes, rank_region, tint, title)
 from distkit.course.plots import STATE_COLORS
 
 

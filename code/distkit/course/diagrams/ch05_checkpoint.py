@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from matplotlib.patches import Rectangle
 
-from distkit.course.diagrams.shapes import (CKPT_EDGE, CKPT_FACE, FAINT, FONT, INK, MONO, RIGHT, SMALL,
-                                     STORE_INK, WRONG, arrow, box, canvas, step_mark, tint, title)
+from distkit.course.diagrams.shapes import (CKPT_EDGE, CKPT_FACE, FAINT, FONT, INK, MONO, RIGHT,
+                                            SMALL, STORE_INK, WRONG, arrow, box, canvas, step_mark,
+                                            tint, title)
 from distkit.course.plots import RANK_COLORS
 
 

@@ -361,7 +361,8 @@ def multinode_launch():
     for i, note in enumerate((
             "The same path as on the cluster: rendezvous, node ranks, RANK, one process group "
             "over both \"nodes\"; only the links differ (loopback TCP).",
-            "In a notebook, distkit.course.notebook.launch_nodes(2, 1, \"ch06_capstone/train_llama.py\", "
+            "In a notebook, distkit.course.notebook.launch_nodes(2, 1, "
+            "\"ch06_capstone/train_llama.py\", "
             "...) starts both at once, then prints their output node by node.")):
         ax.text(0.15, mtop - mh - 0.25 - i * 0.21, note, fontsize=SMALL, color="0.3",
                 va="center")
