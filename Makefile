@@ -49,9 +49,20 @@ course: setup
 exercise: setup
 	$(BIN)/python -m distkit.course.exercise $(if $(EX),$(EX),--list)
 
-# The exercises' starters are generated from their solutions (### BEGIN SOLUTION regions).
+# Maintainers: the exercises' starters are generated from their solutions (### BEGIN SOLUTION
+# regions). A starter edited since it was generated (a learner's work) is skipped and named;
+# FORCE=1 overwrites it, keeping the edited text as FILE.bak.
+.PHONY: starters
+starters: setup
+	$(BIN)/python -m distkit.course.exercise --write$(if $(FORCE), --force)
+
+# The old name of `make starters`, one letter from `make exercise`: with EX= it changes nothing.
 exercises: setup
-	$(BIN)/python -m distkit.course.exercise --write
+	@if [ -n "$(EX)" ]; then echo "make exercises: did you mean make exercise EX=$(EX)" \
+	  "(checks your exercise)? Nothing was changed." >&2; exit 2; fi
+	@echo "make exercises: the old name of make starters (to check an exercise:" \
+	  "make exercise EX=NN.k)" >&2
+	$(BIN)/python -m distkit.course.exercise --write$(if $(FORCE), --force)
 
 test: setup
 	$(BIN)/python -m pytest --durations=25

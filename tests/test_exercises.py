@@ -1,6 +1,6 @@
 """Every exercise: one source, and a checker that reports an untouched starter's first TODO.
 
-The starters are generated from their solutions (distkit/course/exercise.py; `make exercises`): a
+The starters are generated from their solutions (distkit/course/exercise.py; `make starters`): a
 committed starter that differs from its generated form fails here. Every starter registered with
 the checker is checked untouched, in this process: the checker reads the file for a todo() left
 before it launches anything, so no process starts here. Each chapter's
@@ -21,7 +21,7 @@ SOLUTIONS = [p for p in ex.solutions() if "### BEGIN SOLUTION" in p.read_text()]
 
 
 def test_committed_starters_are_generated():
-    """Fix: `make exercises`, then commit the starters."""
+    """Fix: `make starters`, then commit the starters."""
     assert [str(p.relative_to(ROOT)) for p in ex.write_starters(check_only=True)] == []
 
 
@@ -62,7 +62,7 @@ def test_starter_of_a_region():
         "### END SOLUTION",
         ""])
     assert ex.make_starter(solution, "ex.py") == "\n".join([
-        "# Yours to fill in. Generated from ../solutions/ex.py by `make exercises`.",
+        "# Yours to fill in (generated from ../solutions/ex.py).",
         "x = 1",
         "def f():",
         "    # TODO(you): the goal, the invariant and the API to look up.",

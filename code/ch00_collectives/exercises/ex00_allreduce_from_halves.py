@@ -1,4 +1,4 @@
-# Yours to fill in. Generated from ../solutions/ex00_allreduce_from_halves.py by `make exercises`.
+# Yours to fill in (generated from ../solutions/ex00_allreduce_from_halves.py).
 """Exercise 00.3: all_reduce from its two halves, reduce-scatter then all-gather, at any size.
 
     code/run_w_torchrun.sh 3 ch00_collectives/exercises/ex00_allreduce_from_halves.py

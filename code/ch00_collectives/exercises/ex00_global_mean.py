@@ -1,4 +1,4 @@
-# Yours to fill in. Generated from ../solutions/ex00_global_mean.py by `make exercises`.
+# Yours to fill in (generated from ../solutions/ex00_global_mean.py).
 """Exercise 00.2: the exact mean over all ranks when ranks hold different amounts.
 
     code/run_w_torchrun.sh 2 ch00_collectives/exercises/ex00_global_mean.py

@@ -1,4 +1,4 @@
-# Yours to fill in. Generated from ../solutions/ex00_naive_allreduce.py by `make exercises`.
+# Yours to fill in (generated from ../solutions/ex00_naive_allreduce.py).
 """Exercise 00.1: all-reduce through rank 0, a "parameter server", bytes counted.
 
     code/run_w_torchrun.sh 4 ch00_collectives/exercises/ex00_naive_allreduce.py

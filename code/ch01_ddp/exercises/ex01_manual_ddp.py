@@ -1,4 +1,4 @@
-# Yours to fill in. Generated from ../solutions/ex01_manual_ddp.py by `make exercises`.
+# Yours to fill in (generated from ../solutions/ex01_manual_ddp.py).
 """Exercise 01.1: data parallelism without the DDP wrapper, from chapter 00's collectives.
 
     code/run_w_torchrun.sh 2 ch01_ddp/exercises/ex01_manual_ddp.py         # all_reduce per tensor

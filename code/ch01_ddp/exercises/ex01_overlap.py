@@ -1,4 +1,4 @@
-# Yours to fill in. Generated from ../solutions/ex01_overlap.py by `make exercises`.
+# Yours to fill in (generated from ../solutions/ex01_overlap.py).
 """Exercise 01.2: overlap the gradient all-reduce with backward, by hand, as DDP does.
 
     code/run_w_torchrun.sh 2 ch01_ddp/exercises/ex01_overlap.py --times

@@ -1,4 +1,4 @@
-# Yours to fill in. Generated from ../solutions/ex02_gpipe_by_hand.py by `make exercises`.
+# Yours to fill in (generated from ../solutions/ex02_gpipe_by_hand.py).
 """Exercise 02.1: GPipe by hand, naive_split.py with micro-batches, over send/recv.
 
     code/run_w_torchrun.sh 2 ch02_model_parallel/solutions/ex02_gpipe_by_hand.py --microbatches 4

@@ -1,4 +1,4 @@
-# Yours to fill in. Generated from ../solutions/ex02_megatron_mlp.py by `make exercises`.
+# Yours to fill in (generated from ../solutions/ex02_megatron_mlp.py).
 """Exercise 02.2: Megatron's tensor-parallel MLP written by hand, from two autograd
 Functions and two sliced linears, without DTensor.
 

@@ -1,4 +1,4 @@
-# Yours to fill in. Generated from ../solutions/ex03_zero1_by_hand.py by `make exercises`.
+# Yours to fill in (generated from ../solutions/ex03_zero1_by_hand.py).
 """Exercise 03.1: ZeRO-1 by hand, each rank keeping AdamW's state for 1/N of the weights.
 
     code/run_w_torchrun.sh 2 ch03_zero/exercises/ex03_zero1_by_hand.py

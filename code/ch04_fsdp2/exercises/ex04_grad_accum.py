@@ -1,4 +1,4 @@
-# Yours to fill in. Generated from ../solutions/ex04_grad_accum.py by `make exercises`.
+# Yours to fill in (generated from ../solutions/ex04_grad_accum.py).
 """Exercise 04.2: gradient accumulation with FSDP2, reduce-scattering once per step.
 
     code/run_w_torchrun.sh 2 ch04_fsdp2/exercises/ex04_grad_accum.py --micro-batches 4

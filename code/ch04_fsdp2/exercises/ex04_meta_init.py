@@ -1,4 +1,4 @@
-# Yours to fill in. Generated from ../solutions/ex04_meta_init.py by `make exercises`.
+# Yours to fill in (generated from ../solutions/ex04_meta_init.py).
 """Exercise 04.1: build a sharded model on the meta device, rank 0 alone holding it whole.
 
     code/run_w_torchrun.sh 2 ch04_fsdp2/exercises/ex04_meta_init.py

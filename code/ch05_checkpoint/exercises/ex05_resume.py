@@ -1,4 +1,4 @@
-# Yours to fill in. Generated from ../solutions/ex05_resume.py by `make exercises`.
+# Yours to fill in (generated from ../solutions/ex05_resume.py).
 """Exercise 05.1: make a resume exact, bit for bit, after a restart from a checkpoint.
 
     code/run_w_torchrun.sh 2 ch05_checkpoint/exercises/ex05_resume.py --save-at 5

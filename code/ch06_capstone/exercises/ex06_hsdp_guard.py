@@ -1,4 +1,4 @@
-# Yours to fill in. Generated from ../solutions/ex06_hsdp_guard.py by `make exercises`.
+# Yours to fill in (generated from ../solutions/ex06_hsdp_guard.py).
 """Exercise 06.1: HSDP on a 2-D mesh, and a non-finite guard that every rank agrees on.
 
     code/run_w_torchrun.sh 4 ch06_capstone/exercises/ex06_hsdp_guard.py

@@ -1,4 +1,4 @@
-# Yours to fill in. Generated from ../solutions/ex07_early_stop.py by `make exercises`.
+# Yours to fill in (generated from ../solutions/ex07_early_stop.py).
 """Exercise 07.1: early stopping that every rank decides alike.
 
     code/run_w_torchrun.sh 2 ch07_debugging/exercises/ex07_early_stop.py

@@ -1,4 +1,4 @@
-# Yours to fill in. Generated from ../solutions/ex08_fewest_gpus.py by `make exercises`.
+# Yours to fill in (generated from ../solutions/ex08_fewest_gpus.py).
 """Exercise 08.1: the fewest GPUs that train a Llama at a sequence length, and with which settings.
 
     PYTHONPATH=code python code/ch08_plan/exercises/ex08_fewest_gpus.py --model 70b --seq 8192

@@ -1,8 +1,8 @@
 """Exercises: starters generated from their solutions, and a checker for a learner's file.
 
-    make exercises                 # write every starter from its solution (then commit both)
     make exercise EX=03.1          # check code/ch03_zero/exercises/ex03_zero1_by_hand.py
     python -m distkit.course.exercise 03.1 [--file PATH] [--nproc 2]
+    make starters [FORCE=1]        # maintainers: write the starters from their solutions
 
 One source per exercise (the convention nbgrader made familiar): the solution file holds each
 part the learner writes between `### BEGIN SOLUTION: <what is missing>` and `### END SOLUTION`,
@@ -14,12 +14,21 @@ comments): answers to the "Predict, then measure" questions.
 The checker (one entry per exercise, registered with @exercise in distkit/course/checks/chNN.py,
 one module per chapter) first looks for a todo() left in the file, without launching anything,
 then launches the file on each world size of the entry with --json and checks the results: one
-line per check, stopping at the first that fails.
+line per check, stopping at the first that fails. A file that does not compile gets one line
+with FILE:LINE, nothing launched. On a GPU node with fewer GPUs than an exercise's ranks, that
+world size is checked on the CPU (COURSE_DEVICE=cpu), and a NOTE line says so.
+
+`make starters` (--write) rewrites a starter only where it still is a generated form: what the
+solution generates now, or generated from the solution as committed (git HEAD), or what this
+tool last wrote there. A starter someone edited is skipped and named; --force (FORCE=1)
+overwrites it, keeping the edited text beside it as FILE.bak.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
+import hashlib
 import importlib
 import json
 import os
@@ -46,7 +55,7 @@ END = re.compile(r"^\s*### END SOLUTION\s*$")
 def make_starter(solution: str, name: str) -> str:
     """The starter's text from its solution's (`name`: the solution's file name, for the header
     line). Raises ValueError on a malformed region (unclosed, nested, stray END)."""
-    out = [f"# Yours to fill in. Generated from ../solutions/{name} by `make exercises`."]
+    out = [f"# Yours to fill in (generated from ../solutions/{name})."]
     lines = solution.splitlines()
     i = 0
     while i < len(lines):
@@ -88,28 +97,78 @@ def make_starter(solution: str, name: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def solutions() -> list[Path]:
+def solutions(code: Path = CODE) -> list[Path]:
     """Every solution that has a starter, i.e. code/ch*/solutions/ex*.py."""
-    return sorted(CODE.glob("ch*/solutions/ex*.py"))
+    return sorted(Path(code).glob("ch*/solutions/ex*.py"))
 
 
 def starter_of(solution: Path) -> Path:
     return solution.parent.parent / "exercises" / solution.name
 
 
-def write_starters(check_only: bool = False) -> list[Path]:
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _body(starter: str) -> str:
+    return starter.split("\n", 1)[-1]
+
+
+def _committed(path: Path) -> str | None:
+    """The file's text as committed (git HEAD), or None (not in git, or no git here)."""
+    try:
+        top = subprocess.run(["git", "-C", str(path.parent), "rev-parse", "--show-toplevel"],
+                             capture_output=True, text=True, timeout=30)
+        if top.returncode:
+            return None
+        rel = path.resolve().relative_to(Path(top.stdout.strip()).resolve())
+        shown = subprocess.run(["git", "-C", top.stdout.strip(), "show", f"HEAD:{rel.as_posix()}"],
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+    return shown.stdout if shown.returncode == 0 else None
+
+
+def write_starters(check_only: bool = False, force: bool = False, code: Path = CODE,
+                   skipped: list | None = None) -> list[Path]:
     """Write every starter from its solution; returns those that were (or, with check_only,
-    would be) changed."""
+    would be) changed. A starter that differs from its generated form is rewritten only when it
+    is stale, not edited: generated from the solution as committed (git HEAD), or the text this
+    tool last wrote there (recorded in build/starters.json). An edited one is left alone and
+    appended to `skipped`, unless force: then its text is kept as FILE.bak first."""
+    code = Path(code)
+    record_file = code.parent / "build" / "starters.json"
+    record = json.loads(record_file.read_text()) if record_file.exists() else {}
     changed = []
-    for sol in solutions():
+    for sol in solutions(code):
         if "### BEGIN SOLUTION" not in sol.read_text():
             continue  # not converted yet: its starter is still kept by hand
         text = make_starter(sol.read_text(), sol.name)
         dest = starter_of(sol)
-        if not dest.exists() or dest.read_text() != text:
+        if dest.exists() and dest.read_text() == text:
+            continue
+        if check_only:
             changed.append(dest)
-            if not check_only:
-                dest.write_text(text)
+            continue
+        key = dest.relative_to(code).as_posix()
+        if dest.exists():
+            now = dest.read_text()
+            committed = _committed(sol)
+            # (below the header line, which may have changed format since)
+            stale = (record.get(key) == _digest(now) or committed is not None
+                     and _body(now) == _body(make_starter(committed, sol.name)))
+            if not stale:
+                if not force:
+                    if skipped is not None:
+                        skipped.append(dest)
+                    continue
+                dest.with_name(dest.name + ".bak").write_text(now)
+        dest.write_text(text)
+        record[key] = _digest(text)
+        changed.append(dest)
+    if changed and not check_only:
+        record_file.parent.mkdir(parents=True, exist_ok=True)
+        record_file.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return changed
 
 
@@ -167,19 +226,42 @@ def first_todo(path: Path) -> str | None:
     return f"TODO left at {_shown(path)}:{line}: {what}"
 
 
+def not_compiling(path: Path) -> str | None:
+    """One line saying why the file cannot be read or compiled ('syntax error at FILE:LINE:
+    ...'), or None: what a learner mid-edit hits most, said before anything is launched."""
+    try:
+        compile(Path(path).read_text(), str(path), "exec")
+    except SyntaxError as e:  # IndentationError and TabError too
+        return f"syntax error at {_shown(e.filename or path)}:{e.lineno}: {e.msg}"
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"cannot read {_shown(path)}: {getattr(e, 'strerror', None) or e}"
+    return None
+
+
 def _shown(path: Path) -> str:
     path = Path(path).resolve()
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def _launch_error(out: str) -> str:
+def _launch_error(out: str, script: Path | None = None) -> str:
     """The line that says why a launch failed: a rank's exception or todo() line, else the
-    launcher's own report, else the last line."""
+    launcher's own report, else the last line. An exception raised in `script` (the file being
+    checked) gets its line: '... (at FILE:LINE)'."""
     lines = [re.sub(r"^\[rank\d+\]: ", "", ln) for ln in out.splitlines() if ln.strip()]
     for pattern in (r"^TODO\(you\) at ", r"^[\w.]*(Error|Exception)\b.*", r"^run_w_torchrun\.sh: "):
-        hits = [ln for ln in lines if re.match(pattern, ln)]
+        hits = [(i, ln) for i, ln in enumerate(lines) if re.match(pattern, ln)]
         if hits:
-            return hits[0]
+            i, line = hits[0]
+            where = None
+            if script is not None and not line.startswith("TODO"):
+                for frame in reversed(lines[:i]):  # its traceback's last frame in that file
+                    if frame.startswith("Traceback "):
+                        break
+                    m = re.match(r'\s*File "(.+)", line (\d+)', frame)
+                    if m and Path(m.group(1)).resolve() == Path(script).resolve():
+                        where = f"{_shown(Path(script))}:{m.group(2)}"
+                        break
+            return f"{line} (at {where})" if where else line
     return lines[-1] if lines else "(no output)"
 
 
@@ -187,9 +269,10 @@ class Runner:
     """run(*args): launch the file being checked on `nproc` ranks with --json FILE; returns the
     dict it wrote. A failed launch raises Fail with the ranks' error line."""
 
-    def __init__(self, ex: Exercise, script: Path, nproc: int, tmp: Path, runs=None):
+    def __init__(self, ex: Exercise, script: Path, nproc: int, tmp: Path, runs=None, env=None):
         self.ex, self.script, self.nproc, self.tmp = ex, script, nproc, tmp
         self.runs = runs if runs is not None else []
+        self.env = dict(env or {})  # set for every launch and reference (e.g. COURSE_DEVICE)
         self.count = 0
         self.stdout, self.returncode = "", None  # the last launch's output and exit status
 
@@ -199,7 +282,7 @@ class Runner:
         cmd = [str(LAUNCHER), str(self.nproc), str(self.script), *map(str, args), "--json",
                str(out)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=_env())
+                                env=_env(self.env))
         try:
             stdout, _ = proc.communicate(timeout=self.ex.timeout)
         except subprocess.TimeoutExpired:
@@ -213,8 +296,9 @@ class Runner:
             self.runs.append((self.nproc, res, stdout))
             return res
         if proc.returncode:
-            raise Fail(f"the launch failed: {_launch_error(stdout)}")
+            raise Fail(f"the launch failed: {_launch_error(stdout, self.script)}")
         raise Fail("the launch wrote no --json results")
+
     def single(self, script: str, *args) -> dict:
         """Run a one-process reference (a script in code/) with plain Python, in a process
         group of one where it makes one, and --json; returns the dict it wrote."""
@@ -223,15 +307,41 @@ class Runner:
         proc = subprocess.run([sys.executable, str(CODE / script), *map(str, args), "--json",
                                str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=self.ex.timeout,
-                              env={**_env(), **ONE_PROCESS})
+                              env={**_env(self.env), **ONE_PROCESS})
         if proc.returncode:
             raise Fail(f"the one-process reference {script} failed: {_launch_error(proc.stdout)}")
         return json.loads(out.read_text())
 
 
-def _env() -> dict:
+def _env(extra: dict | None = None) -> dict:
     return {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable),
-            "PYTHONPATH": str(CODE)}
+            "PYTHONPATH": str(CODE), **(extra or {})}
+
+
+@functools.cache
+def gpus_visible() -> int:
+    """How many GPUs torch sees here (0 without CUDA). Imports torch: asked only when
+    COURSE_DEVICE leaves the choice to the scripts."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_for(nproc: int) -> tuple[dict, str | None]:
+    """(environment for a check at nproc ranks, a NOTE line or None). The scripts take one GPU
+    per rank when CUDA is visible and refuse more ranks than GPUs; a check at more ranks than
+    this machine's GPUs runs on the CPU instead (gloo), and says so."""
+    want = os.environ.get("COURSE_DEVICE", "").strip().lower()
+    if want == "cpu":
+        return {}, None
+    gpus = gpus_visible()
+    if want == "cuda" and gpus < nproc:
+        raise Fail(f"COURSE_DEVICE=cuda, but this machine has {gpus} GPU(s) for {nproc} ranks: "
+                   "unset it, and the checker runs these ranks on the CPU")
+    if want == "" and 0 < gpus < nproc:
+        return {"COURSE_DEVICE": "cpu"}, (
+            f"this machine has {gpus} GPU(s), fewer than {nproc} ranks (one GPU each): "
+            f"checking at {nproc} ranks on the CPU (gloo) instead")
+    return {}, None
 
 
 def check(ex_id: str, file: str | Path | None = None, nprocs=None, echo=print,
@@ -251,16 +361,19 @@ def check(ex_id: str, file: str | Path | None = None, nprocs=None, echo=print,
         lines.append(line)
         echo(line)
 
-    todo = first_todo(path)
+    todo = not_compiling(path) or first_todo(path)
     if todo:
         say(f"FAIL {todo}")
         return False, lines
     say(f"PASS no todo() left in {_shown(path)}")
     with tempfile.TemporaryDirectory(prefix=f"ex{ex_id}-") as tmp:
         for nproc in nprocs or ex.nprocs:
-            run = Runner(ex, path.resolve(), nproc, Path(tmp), runs)
             tag = f"[{nproc} rank{'s' * (nproc != 1)}]"
             try:
+                env, note = device_for(nproc)
+                if note:
+                    say(f"NOTE {tag} {note}")
+                run = Runner(ex, path.resolve(), nproc, Path(tmp), runs, env)
                 for ok, passed, failed in ex.checks(run):
                     if not ok:
                         raise Fail(failed)
@@ -274,8 +387,9 @@ def check(ex_id: str, file: str | Path | None = None, nprocs=None, echo=print,
 def solution_as_starter(ex_id: str, tmp: Path, change: tuple | None = None) -> Path:
     """A copy of the exercise's chapter folder in tmp whose starter is its solution: as a learner
     who got it right would have it. `change` = (old, new) makes it a wrong answer the checker
-    must catch: the one line holding `old` replaced by `new` (None: the line removed). Returns
-    the starter's path in the copy."""
+    must catch: the one line holding `old` replaced by `new` (None: the line removed; lines of
+    `new` take that line's indent); a list of such pairs makes several changes. Returns the
+    starter's path in the copy."""
     ex = load_registry()[ex_id]
     chapter = (CODE / ex.starter).parent.parent
     copy = Path(tmp) / chapter.name
@@ -283,14 +397,13 @@ def solution_as_starter(ex_id: str, tmp: Path, change: tuple | None = None) -> P
     starter = copy / Path(ex.starter).relative_to(chapter.name)
     lines = (CODE / ex.starter.replace("/exercises/", "/solutions/")).read_text().splitlines(
         keepends=True)
-    if change:
-        old, new = change
+    for old, new in ([change] if change and isinstance(change[0], str) else change or []):
         hits = [i for i, ln in enumerate(lines) if old in ln]
         if len(hits) != 1:
             raise ValueError(f"{old!r} is on {len(hits)} lines of the solution, not one")
         i = hits[0]
         indent = re.match(r"\s*", lines[i]).group(0)
-        lines[i] = "" if new is None else indent + new + "\n"
+        lines[i] = "" if new is None else "".join(indent + ln + "\n" for ln in new.split("\n"))
     starter.write_text("".join(lines))
     return starter
 
@@ -323,20 +436,35 @@ def main(argv=None):
                         help="world size to check at (repeatable; default: the exercise's)")
     parser.add_argument("--list", action="store_true", help="list the exercises and their files")
     parser.add_argument("--write", action="store_true",
-                        help="write every starter from its solution (make exercises)")
+                        help="write the starters from their solutions, skipping edited ones "
+                        "(make starters)")
+    parser.add_argument("--force", action="store_true",
+                        help="with --write: overwrite edited starters too, keeping FILE.bak "
+                        "(make starters FORCE=1)")
     parser.add_argument("--diff", action="store_true",
                         help="exit 1 if a committed starter differs from its generated form")
     args = parser.parse_args(argv)
+    if args.force and not args.write:
+        parser.error("--force goes with --write")
     if args.write or args.diff:
-        changed = write_starters(check_only=args.diff)
+        skipped = []
+        changed = write_starters(check_only=args.diff, force=args.force, skipped=skipped)
         for path in changed:
+            bak = path.with_name(path.name + ".bak")
             print(("differs from its solution's generated form: " if args.diff else "wrote ")
-                  + _shown(path))
+                  + _shown(path) + (f" (the edited text kept in {bak.name})"
+                                    if args.force and bak.exists() else ""))
+        for path in skipped:
+            print(f"skipped {_shown(path)}: edited since it was generated (your work is "
+                  "left as it is; FORCE=1 overwrites it, keeping a .bak)")
+        if args.write and not changed and not skipped:
+            print("every starter is up to date")
         sys.exit(1 if args.diff and changed else 0)
     if args.list or not args.id:
         for ex in sorted(load_registry().values(), key=lambda e: e.id):
             sizes = ", ".join(map(str, ex.nprocs))
-            print(f"{ex.id}  code/{ex.starter}  (checked at {sizes} ranks)")
+            print(f"{ex.id}  code/{ex.starter}  (checked at {sizes} "
+                  f"rank{'s' * (ex.nprocs != (1,))})")
         sys.exit(0 if args.list else 2)
     if args.nproc and min(args.nproc) < 1:
         parser.error("--nproc must be >= 1")
