@@ -134,11 +134,11 @@ def read(path: Path) -> Chapter:
     first = markdown[0] if markdown else ""
     title = re.search(r"^# (.*)$", first, re.M)
     chapter = Chapter(path, path.name[:2], title.group(1).strip() if title else path.stem)
-    if m := re.search(r"^\*\*In one line:\*\*\s*(.+?)\s*(\n\n|$)", first, re.M | re.S):
+    if m := re.search(r"^\*\*In one line:\*\*\s*(.+?)\s*(\n\n|\Z)", first, re.M | re.S):
         chapter.promise = " ".join(m.group(1).split())
-    if m := re.search(r"^\*\*You will be able to\*\*.*?\n(.*?)(\n\n|$)", first, re.M | re.S):
+    if m := re.search(r"^\*\*You will be able to\*\*.*?\n(.*?)(\n\n|\Z)", first, re.M | re.S):
         chapter.outcomes = [re.sub(r"^(\d+\.|[-*]) ", "", i) for i in _items(m.group(1))]
-    if m := re.search(r"^\*\*Prerequisites:\*\*\s*(.+?)\s*(\n\n|$)", first, re.M | re.S):
+    if m := re.search(r"^\*\*Prerequisites:\*\*\s*(.+?)\s*(\n\n|\Z)", first, re.M | re.S):
         chapter.prerequisites = " ".join(m.group(1).split())
     if m := re.search(r"^\*\*Reading time:\*\* about (\d+) minutes", first, re.M):
         chapter.stated_minutes = int(m.group(1))
