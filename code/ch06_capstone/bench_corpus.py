@@ -52,7 +52,7 @@ import resource, sys, time
 sys.path.insert(0, {code!r})
 import corpus
 t0 = time.perf_counter()
-folder = corpus.prepare({data!r}, {vocab}, files={files!r})
+folder = corpus.prepare({data!r}, {vocab}, paths={files!r})
 facts = corpus.facts(folder)
 print(time.perf_counter() - t0, facts["train_tokens"] + facts["heldout_tokens"],
       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

@@ -1,21 +1,34 @@
-"""The capstone's data: real English text that every Python has, a BPE tokenizer trained on it,
-tokenized once into a flat file of token ids that every rank maps. Nothing is downloaded.
+"""The capstone's data: real English text that every Python has (or yours), a BPE tokenizer
+trained on it, tokenized once into a flat file of token ids that every rank maps. Nothing is
+downloaded.
 
-The text is the Python reference documentation that ships inside Python itself
+The course's text is the Python reference documentation that ships inside Python itself
 (`pydoc_data.topics`: what `help("with")` shows, 79 topics, about 0.46 MB in Python 3.11; a
-little different in other Python versions, so token counts differ between machines), or your
---text files (one document each). The tokenizer is a byte-level BPE (GPT-2's scheme) trained
-with Hugging Face `tokenizers`.
+little different in other Python versions, so token counts differ between machines). Your data
+(--data) can be, mixed freely:
+- plain text files (any other name): one document each, read as a stream;
+- JSON Lines (.jsonl, .json): one document per line, the text in its FIELD ("text");
+- Parquet (.parquet): one document per row, column FIELD (needs pyarrow);
+- a folder written by `datasets`' save_to_disk: one document per row (needs datasets; of a
+  DatasetDict, its "train" split).
+pyarrow and datasets are optional: the course does not install them, and a path that needs one
+that is missing is refused with a line that says what to install. The tokenizer is a byte-level
+BPE (GPT-2's scheme) trained with Hugging Face `tokenizers`.
 
 At scale, as nanoGPT's prepare.py does: the text is read and tokenized once, streaming, in
 pieces of about PIECE characters cut at line ends, so memory stays flat whatever the size of
 the corpus; the ids go straight to disk, train.bin and heldout.bin (uint16 when the vocabulary
-fits in 65,536 ids, else uint32: 2 or 4 bytes a token), with a small index, index.json. Every
-20th piece is held out *before* the BPE is trained, so the tokenizer never sees held-out text.
-The ranks only map the files (np.memmap): the pages are shared, nothing is copied, and a
-sequence is a view of --seq-len consecutive ids, whatever --seq-len is. The cache key is cheap:
-the files' names, sizes and modification times (not their contents), the vocabulary size and
-the tokenizer, so a restart on a 10 GB corpus finds its cache at once.
+fits in 65,536 ids, else uint32: 2 or 4 bytes a token), with a small index, index.json. The
+held-out split is made *before* the BPE is trained, so the tokenizer never sees held-out text:
+every 20th record (a JSONL line, a row) is held out whole, and text files (few, long documents)
+give every 20th piece instead. The ranks only map the files (np.memmap): the pages are shared,
+nothing is copied, and a sequence is a view of --seq-len consecutive ids, whatever --seq-len is.
+
+The cache key is cheap and survives a copy: the files' names relative to their common folder,
+their sizes and a sha256 of their first and last 4 KiB (not their whole contents, not their
+paths or modification times), the vocabulary, the field and the tokenizer. So a restart on
+10 GB of text finds its cache at once, and the same corpus staged on another disk finds it too;
+an edit that keeps a file's size and both ends is not seen (change the --data-dir then).
 
     python code/ch06_capstone/corpus.py --data-dir build/ch06/data   # build the cache, print facts
 """
@@ -27,30 +40,106 @@ import json
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 EOS = "<|endoftext|>"  # between documents, so a packed sequence sees where one topic ends
-FORMAT = 3             # bump when the way the cache is built changes
+FORMAT = 4             # bump when the way the cache is built changes
 PIECE = 1024           # characters per piece (cut at a line end): the unit of the held-out split
-HOLD_OUT = 20          # every 20th piece is held out
+HOLD_OUT = 20          # every 20th piece (of text files) or record (of the other formats)
 BPE_SAMPLE = 64 << 20  # the BPE learns its merges from at most this many training characters
 BATCH = 256            # pieces tokenized at once (the fast tokenizer's batch, in parallel)
+SAMPLE = 4096          # bytes at each end of a file that the cache key hashes
+RECORDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
-def sources(files=None) -> list[tuple[str, object]]:
-    """(name, how to read it) of each document: your files, or Python's reference docs."""
-    if files:
-        return [(str(f), Path(f)) for f in sorted(map(str, files))]
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # some Linux distributions split it into a separate package
-        raise SystemExit("corpus.py: this Python has no pydoc_data (the reference docs that "
-                         "help() shows); install your distribution's full Python standard "
-                         "library (e.g. Debian's libpython3-stdlib) or use conda/python.org Python")
-    return [(name, topics[name]) for name in sorted(topics)]
+def kind(path) -> str:
+    """How a --data path is read: "text", "jsonl", "parquet" or "dataset" (a folder)."""
+    path = Path(path)
+    return "dataset" if path.is_dir() else RECORDS.get(path.suffix.lower(), "text")
+
+
+def check(paths, field: str = "text") -> str | None:
+    """Why these --data paths cannot be read (one line), or None. Cheap: it opens each record
+    file's first record only."""
+    for path in map(Path, paths):
+        if not path.exists():
+            return f"no such file {path}"
+        how = kind(path)
+        try:
+            if how == "parquet":
+                import pyarrow.parquet as pq
+                if field not in pq.ParquetFile(path).schema_arrow.names:
+                    return f"{path}: no column {field!r} (--text-field)"
+            elif how == "dataset":
+                if not (path / "dataset_info.json").exists() and not (
+                        path / "dataset_dict.json").exists():
+                    return f"{path}: a folder, but not one that datasets' save_to_disk wrote"
+                import datasets  # noqa: F401
+                if field not in next(iter(records(path, field, check_only=True)), {}):
+                    return f"{path}: no column {field!r} (--text-field)"
+            elif how == "jsonl":
+                with open(path, encoding="utf-8") as f:
+                    first = next((ln for ln in f if ln.strip()), None)
+                if first is not None and field not in json.loads(first):
+                    return f"{path}: its first record has no field {field!r} (--text-field)"
+        except ImportError as e:
+            need = "pyarrow" if how == "parquet" else "datasets"
+            return (f"{path}: reading {how} needs the {need} package ({e.name} is not installed; "
+                    f"pip install {need}), or convert it to JSON Lines")
+        except (ValueError, OSError) as e:
+            return f"{path}: cannot be read as {how} ({e})"
+    return None
+
+
+def records(path: Path, field: str, check_only: bool = False):
+    """The documents of a record file or saved dataset, one string at a time."""
+    how = kind(path)
+    if how == "jsonl":
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    yield json.loads(line)[field]
+    elif how == "parquet":
+        import pyarrow.parquet as pq
+        for batch in pq.ParquetFile(path).iter_batches(columns=[field], batch_size=1024):
+            yield from batch.column(0).to_pylist()
+    else:
+        import datasets
+        data = datasets.load_from_disk(str(path))
+        if isinstance(data, datasets.DatasetDict):
+            data = data["train"]
+        if check_only:
+            yield dict(data.features)
+            return
+        for row in data.select_columns([field]).iter(batch_size=1024):
+            yield from row[field]
+
+
+def documents(paths=None, field: str = "text"):
+    """(source name, document, whole) for every document: a document is a string or, for a text
+    file, its Path (read as it goes); `whole` says the held-out split takes it whole (a record)
+    rather than piece by piece. Without paths: Python's reference docs, topic by topic."""
+    if not paths:
+        try:
+            from pydoc_data.topics import topics
+        except ImportError:  # some Linux distributions split it into a separate package
+            raise SystemExit("corpus.py: this Python has no pydoc_data (the reference docs that "
+                             "help() shows); install your distribution's full Python standard "
+                             "library (e.g. Debian's libpython3-stdlib) or use conda/python.org "
+                             "Python")
+        for name in sorted(topics):
+            yield name, topics[name], False
+        return
+    for path in sorted(map(Path, paths), key=str):
+        if kind(path) == "text":
+            yield str(path), path, False
+        else:
+            for text in records(path, field):
+                yield str(path), text or "", True
 
 
 def pieces(source):
@@ -73,24 +162,32 @@ def pieces(source):
         lines.close()
 
 
-def split_pieces(files=None, held: bool = False):
-    """(document index, piece) of the training pieces (held=False) or the held-out ones:
-    piece number k (counted over the whole corpus) is held out when k % HOLD_OUT == HOLD_OUT-1."""
-    k = 0
-    for d, (_, source) in enumerate(sources(files)):
-        for piece in pieces(source):
+def split_pieces(paths=None, held: bool = False, field: str = "text"):
+    """(document index, piece) of the training pieces (held=False) or the held-out ones. A
+    record (JSONL line, Parquet or dataset row) is held out whole when its number r (over the
+    records of the corpus) has r % HOLD_OUT == HOLD_OUT-1; a text document, piece by piece, by
+    the same rule on the piece number k (over the pieces of text documents)."""
+    k = r = 0
+    for d, (_, doc, whole) in enumerate(documents(paths, field)):
+        if whole:
+            if (r % HOLD_OUT == HOLD_OUT - 1) == held:
+                for piece in pieces(doc):
+                    yield d, piece
+            r += 1
+            continue
+        for piece in pieces(doc):
             if (k % HOLD_OUT == HOLD_OUT - 1) == held:
                 yield d, piece
             k += 1
 
 
-def train_tokenizer(files, vocab_size: int):
+def train_tokenizer(paths, vocab_size: int, field: str = "text"):
     """A byte-level BPE learned from the training pieces only (at most BPE_SAMPLE characters)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     def sample():
         seen = 0
-        for _, piece in split_pieces(files):
+        for _, piece in split_pieces(paths, field=field):
             if seen >= BPE_SAMPLE:
                 return
             seen += len(piece)
@@ -111,22 +208,44 @@ def hf_tokenizer(tok):
                                    pad_token=EOS)
 
 
-def cache_key(files, vocab_size: int, tokenizer) -> str:
-    """What decides the tokens, cheaply: names, sizes and mtimes of the files (the Python
-    version for its docs), the vocabulary, the tokenizer's name, the format."""
-    if files:
-        text = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns)
-                for f in sorted(map(str, files))]
+def _fingerprint(path: Path) -> tuple[int, str]:
+    """A file's size and the sha256 of its first and last SAMPLE bytes."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(SAMPLE))
+        f.seek(max(0, size - SAMPLE))
+        h.update(f.read(SAMPLE))
+    return size, h.hexdigest()[:16]
+
+
+def cache_key(paths, vocab_size: int, tokenizer, field: str = "text") -> str:
+    """What decides the tokens, cheaply, wherever the corpus lies: the files' names relative to
+    their common folder, sizes and end samples (the Python version for its docs), the
+    vocabulary, the field, the tokenizer's name, the format."""
+    if paths:
+        paths = sorted((Path(p).resolve() for p in paths), key=str)
+        root = Path(os.path.commonpath(paths)) if len(paths) > 1 else paths[0].parent
+        files = [f for p in paths for f in (sorted(q for q in p.rglob("*") if q.is_file())
+                                             if p.is_dir() else [p])]
+        text = [(str(f.relative_to(root)), *_fingerprint(f)) for f in files]
     else:
         text = sys.version
-    return hashlib.sha256(json.dumps([FORMAT, vocab_size, text, tokenizer.name_or_path
+    return hashlib.sha256(json.dumps([FORMAT, vocab_size, text, field, tokenizer.name_or_path
                                       if tokenizer else None]).encode()).hexdigest()[:12]
+
+
+def cache_folder(data_dir, vocab_size: int, tokenizer=None, paths=None,
+                 field: str = "text") -> Path:
+    """Where prepare() keeps (or will keep) the tokens of this corpus."""
+    name = f"{'text' if paths else 'pydoc'}-{cache_key(paths, vocab_size, tokenizer, field)}"
+    return Path(data_dir) / name
 
 
 def write_tokens(path: Path, stream, eos: int, dtype, tokenizer, progress=None) -> dict:
     """Tokenize (document, piece) pairs in batches and append the ids to `path`, an EOS after
     each document; returns counts. Memory: one batch of pieces and its ids."""
-    counts = {"tokens": 0, "characters": 0}
+    counts = {"tokens": 0, "characters": 0, "documents": 0}
     last_doc = None
     with open(path, "wb") as f:
         def flush(batch):
@@ -136,6 +255,7 @@ def write_tokens(path: Path, stream, eos: int, dtype, tokenizer, progress=None) 
                 nonlocal last_doc
                 if last_doc is not None and d != last_doc:
                     out.append(eos)  # the document before this piece has ended
+                counts["documents"] += d != last_doc
                 last_doc = d
                 out.extend(piece_ids)
                 counts["characters"] += len(piece)
@@ -159,32 +279,30 @@ def write_tokens(path: Path, stream, eos: int, dtype, tokenizer, progress=None) 
 
 
 def prepare(data_dir: str | os.PathLike, vocab_size: int, seq_len: int | None = None,
-            tokenizer=None, files=None) -> Path:
+            tokenizer=None, paths=None, field: str = "text") -> Path:
     """Build (once) and return the cache folder: tokenizer/, train.bin, heldout.bin, counts.npy
     (each id's count in train.bin, for the unigram baseline) and index.json. (`seq_len` is
     not part of it: a sequence is a view of the flat ids.)
 
     With `tokenizer` (a transformers tokenizer, e.g. from --model-path) it is used instead of
-    training one; with `files`, their text replaces the course's. Writes go to a temporary
-    folder that is renamed, so ranks or nodes that build the same cache at once never read half
-    a file."""
-    folder = Path(data_dir) / f"{'text' if files else 'pydoc'}-{cache_key(files, vocab_size, tokenizer)}"
+    training one; with `paths` (--data), their documents replace the course's. Writes go to a
+    temporary folder that is renamed, so a reader never sees half a file."""
+    folder = cache_folder(data_dir, vocab_size, tokenizer, paths, field)
     if (folder / "index.json").exists():
         return folder
     tmp = folder.with_name(f"{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     tmp.mkdir(parents=True)
     if tokenizer is None:
-        tokenizer = hf_tokenizer(train_tokenizer(files, vocab_size))
+        tokenizer = hf_tokenizer(train_tokenizer(paths, vocab_size, field))
     tokenizer.save_pretrained(tmp / "tokenizer")
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     dtype = np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32
     from tqdm import tqdm  # a bar on a terminal only (disable=None), in characters
-    total = sum(os.stat(f).st_size for f in files) if files else None
-    with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=None,
-              file=sys.stderr) as bar:
-        train = write_tokens(tmp / "train.bin", split_pieces(files), eos, dtype, tokenizer, bar)
-        held = write_tokens(tmp / "heldout.bin", split_pieces(files, held=True), eos, dtype,
-                            tokenizer, bar)
+    with tqdm(unit="B", unit_scale=True, desc="tokenizing", disable=None, file=sys.stderr) as bar:
+        train = write_tokens(tmp / "train.bin", split_pieces(paths, field=field), eos, dtype,
+                             tokenizer, bar)
+        held = write_tokens(tmp / "heldout.bin", split_pieces(paths, held=True, field=field),
+                            eos, dtype, tokenizer, bar)
     counts = np.zeros(len(tokenizer), dtype=np.int64)
     with open(tmp / "train.bin", "rb") as f:  # read in blocks of 1 Mi ids: bounded memory
         while (block := np.fromfile(f, dtype=dtype, count=1 << 20)).size:
@@ -193,11 +311,11 @@ def prepare(data_dir: str | os.PathLike, vocab_size: int, seq_len: int | None = 
     tok_hash = hashlib.sha256((tmp / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
     index = {"format": FORMAT, "dtype": np.dtype(dtype).name, "vocab_size": len(tokenizer),
              "eos_id": eos, "tokenizer_sha256": tok_hash, "hold_out": f"every {HOLD_OUT}th "
-             f"piece of ~{PIECE} characters, before the BPE was trained",
-             "documents": len(sources(files)), "characters": train["characters"]
-             + held["characters"], "train_tokens": train["tokens"],
-             "heldout_tokens": held["tokens"],
-             "text": [name for name, _ in sources(files)][:20]}  # the first names, for a reader
+             f"record whole, or piece of ~{PIECE} characters of a text file, before the BPE "
+             "was trained", "documents": train["documents"] + held["documents"],
+             "characters": train["characters"] + held["characters"],
+             "train_tokens": train["tokens"], "heldout_tokens": held["tokens"],
+             "text": sorted(map(str, paths))[:20] if paths else "pydoc_data.topics"}
     (tmp / "index.json").write_text(json.dumps(index, indent=1))
     try:
         os.replace(tmp, folder)  # atomic; if another process won the race, keep its copy
@@ -207,15 +325,23 @@ def prepare(data_dir: str | os.PathLike, vocab_size: int, seq_len: int | None = 
     return folder
 
 
-def prepare_on_ranks(local_rank: int, *args, **kwargs) -> Path:
-    """prepare() in a process group: the first rank of each node builds (or finds) the cache
-    while the others wait, then every rank takes global rank 0's folder. A collective: every
-    rank calls it."""
+def prepare_on_ranks(rank: int, data_dir, vocab_size: int, **kwargs) -> Path:
+    """prepare() in a process group: global rank 0 builds (or finds) the cache, once per job;
+    every other rank, on any node, waits for its index.json to appear (the data dir must be on
+    a file system every node sees, as the checkpoints'), then all meet at a barrier. The others
+    poll the file system instead of waiting in a collective, so tokenizing a large corpus takes
+    as long as it takes: no collective timeout ends it (if rank 0 fails, torchrun stops them).
+    A collective: every rank calls it."""
     import torch.distributed as dist
-    folder = [prepare(*args, **kwargs) if local_rank == 0 else None]
+    folder = cache_folder(data_dir, vocab_size, kwargs.get("tokenizer"), kwargs.get("paths"),
+                          kwargs.get("field", "text"))
+    if rank == 0:
+        folder = prepare(data_dir, vocab_size, **kwargs)
+    else:
+        while not (folder / "index.json").exists():
+            time.sleep(1)
     dist.barrier()
-    dist.broadcast_object_list(folder, src=0)
-    return Path(folder[0])
+    return folder
 
 
 def load(folder: Path, seq_len: int = 128):
@@ -252,17 +378,21 @@ def facts(folder: Path) -> dict:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="Build the capstone's tokenizer and token files.")
-    p.add_argument("--data-dir", default="build/ch06/data")
-    p.add_argument("--vocab-size", type=int, default=2048)
-    p.add_argument("--seq-len", type=int, default=128, help="for the sequence counts shown")
-    p.add_argument("--text", nargs="+", metavar="FILE", help="your text files (default: pydoc)")
-    a = p.parse_args()
-    if a.vocab_size < 257 or a.seq_len < 2:
-        p.error("need --vocab-size >= 257 (the 256 bytes and EOS) and --seq-len >= 2")
-    folder = prepare(a.data_dir, a.vocab_size, files=a.text)
+    parser = argparse.ArgumentParser(description="Build the capstone's tokenizer and token files.")
+    parser.add_argument("--data-dir", default="build/ch06/data")
+    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--seq-len", type=int, default=128, help="for the sequence counts shown")
+    parser.add_argument("--data", "--text", nargs="+", metavar="PATH",
+                        help="your text, JSONL, Parquet files or saved datasets (default: pydoc)")
+    parser.add_argument("--text-field", default="text", help="the records' text field")
+    args = parser.parse_args()
+    if args.vocab_size < 257 or args.seq_len < 2:
+        parser.error("need --vocab-size >= 257 (the 256 bytes and EOS) and --seq-len >= 2")
+    if args.data and (problem := check(args.data, args.text_field)):
+        parser.error(f"--data: {problem}")
+    folder = prepare(args.data_dir, args.vocab_size, paths=args.data, field=args.text_field)
     print(folder)
-    train, heldout = load(folder, a.seq_len)
+    train, heldout = load(folder, args.seq_len)
     index = facts(folder)
     index.pop("text")
     index.update(train_sequences=len(train), heldout_sequences=len(heldout),
