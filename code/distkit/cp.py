@@ -172,7 +172,9 @@ class RingAttention(torch.autograd.Function):
                 for w in works:
                     w.wait()
                 kv = incoming
-        out = torch.cat([o for o, _ in acc], dim=2)
+        # laid out in memory as (B, S/N, H, D), as SDPA's kernels return it: the transpose to
+        # (B, S/N, H, D) that transformers makes next is then free, not a copy
+        out = torch.cat([o for o, _ in acc], dim=2).transpose(1, 2).contiguous().transpose(1, 2)
         lse = torch.cat([s for _, s in acc], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.layout, ctx.causal, ctx.stats = group, layout, causal, stats
@@ -282,7 +284,8 @@ def heads_to_seq(x, group):
     b, hn, s, d = x.shape
     send = x.reshape(b, hn, n, s // n, d).permute(2, 0, 1, 3, 4).contiguous()
     got = all_to_all_single_autograd(send, None, None, group)            # [j]: rank j's heads
-    return got.transpose(0, 1).reshape(b, n * hn, s // n, d)
+    # (B, H, S/N, D), laid out in memory as (B, S/N, H, D) as SDPA's kernels return it
+    return got.permute(1, 3, 0, 2, 4).reshape(b, s // n, n * hn, d).transpose(1, 2)
 
 
 def ulysses_attention(q, k, v, group=None, causal=True, to_heads=seq_to_heads):
