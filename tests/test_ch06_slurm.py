@@ -2,7 +2,9 @@
 prints one torchrun command per node (node count, GPUs, rendezvous, job id, script), whose options
 exist in the installed torchrun and in train_llama.py; options after the template's name reach
 train_llama.py; the real path, with srun and scontrol stood in by scripts, runs that same command
-and requeues only a run that a signal stopped (OUT/stopped.json), not any failure. Bash only: no torch import, no launch."""
+and requeues a run that a signal stopped (OUT/stopped.json) or that failed, up to a cap, but not
+one the script marked as deterministic (OUT/failed.json), and no stale marker of an earlier
+attempt decides. Bash only: no torch import, no launch."""
 import importlib.util
 import os
 import re
@@ -92,10 +94,12 @@ def test_extra_options_go_to_the_script():
 
 @pytest.fixture
 def fake_slurm(tmp_path):
-    """srun and scontrol as scripts on PATH that record what they were asked to do."""
+    """srun and scontrol as scripts on PATH that record what they were asked to do; srun leaves
+    the marker file $MARKER in OUT, as train_llama.py would."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$LOG/srun"\n'
+                               '[[ -z "$MARKER" ]] || { mkdir -p "$OUT"; echo {} > "$OUT/$MARKER"; }\n'
                                'exit "${SRUN_STATUS:-0}"\n')
     (bin_ / "scontrol").write_text('#!/bin/bash\ncase $1 in\n  show) printf "gpu%02d\\n" 1 2;;\n'
                                    '  requeue) echo "$2" >> "$LOG/requeue";;\nesac\n')
@@ -108,20 +112,24 @@ def fake_slurm(tmp_path):
     return tmp_path, slurm
 
 
-@pytest.mark.parametrize("stopped, restarts, srun_status, requeued", [
-    (True, "0", "143", True),   # stopped by the signal (and saved): queue it again
-    (False, "0", "0", False),   # finished
-    (False, "0", "1", False),   # failed (an OOM, a NaN, a bad option): requeueing won't help
-    (True, "3", "143", False),  # requeued 3 times already: give up
+@pytest.mark.parametrize("stale, marker, restarts, srun_status, requeued", [
+    ("", "stopped.json", "0", "143", True),  # stopped by the signal (and saved): queue it again
+    ("", "", "0", "0", False),               # finished
+    ("", "", "0", "1", True),                # failed: a GPU, a node, NCCL? retried (F3)
+    ("", "failed.json", "0", "1", False),    # non-finite: marked deterministic, not retried
+    ("", "stopped.json", "3", "143", False),  # requeued 3 times already: give up
+    ("", "", "3", "1", False),               # the cap holds for failures too
+    ("stopped.json", "", "0", "0", False),   # an earlier attempt's marker does not decide (F2)
+    ("failed.json", "", "0", "1", True),     # ... either way
 ])
-def test_real_path_runs_srun_and_requeues_after_a_signal_stop(fake_slurm, stopped, restarts,
-                                                              srun_status, requeued):
+def test_real_path_runs_srun_and_requeues(fake_slurm, stale, marker, restarts, srun_status,
+                                          requeued):
     tmp_path, slurm = fake_slurm
-    if stopped:  # what train_llama.py writes after its signal-stop checkpoint
+    if stale:  # left by an earlier attempt that the job's script must not trust
         (tmp_path / "out").mkdir(parents=True)
-        (tmp_path / "out" / "stopped.json").write_text('{"signal": "SIGTERM", "step": 7}')
+        (tmp_path / "out" / stale).write_text('{"signal": "SIGTERM", "step": 7}')
     proc = run("--max-steps", "10", SLURM_RESTART_COUNT=restarts, SRUN_STATUS=srun_status,
-               **slurm)
+               MARKER=marker, **slurm)
     assert proc.returncode == int(srun_status), proc.stderr
     args = (tmp_path / "srun").read_text().splitlines()
     assert args[:2] == ["--kill-on-bad-exit=1", "--cpus-per-task=32"]
@@ -129,9 +137,10 @@ def test_real_path_runs_srun_and_requeues_after_a_signal_stop(fake_slurm, stoppe
     assert (opts["--nnodes"], opts["--nproc-per-node"], opts["--rdzv-endpoint"],
             opts["--rdzv-id"]) == ("2", "4", "gpu01:29500", "4242")
     assert script[-2:] == ["--max-steps", "10"] and str(tmp_path / "out") in script
-    assert (tmp_path / "requeue").exists() == requeued
+    assert (tmp_path / "requeue").exists() == requeued, proc.stderr
     if requeued:
         assert (tmp_path / "requeue").read_text() == "4242\n"
+        assert f"requeued (attempt {int(restarts) + 1} of 3)" in proc.stderr
 
 
 def test_submitted_from_elsewhere_one_line_and_status_2(fake_slurm):
