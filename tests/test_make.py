@@ -107,9 +107,9 @@ def test_ci_workflow_runs_make_test_on_python_3_11():
     assert str(setup["with"]["python-version"]) == "3.11"
     assert setup["with"]["cache"] == "pip"
     assert setup["with"]["cache-dependency-path"] == "requirements.txt"
-    assert [s["run"] for s in steps if "run" in s] == ["make test", "make test-nproc"]
+    assert [s["run"] for s in steps if "run" in s] == ["make lint", "make test", "make test-nproc"]
 
 
 def test_ci_script_runs_the_readme_commands():
     lines = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert [ln for ln in lines if ln.startswith("make")] == ["make test", "make test-nproc"]
+    assert [ln for ln in lines if ln.startswith("make")] == ["make lint", "make test", "make test-nproc"]
