@@ -1,14 +1,19 @@
 """Every exercise: one source, and a checker that reports an untouched starter's first TODO.
 
 The starters are generated from their solutions (distkit/course/exercise.py; `make starters`): a
-committed starter that differs from its generated form fails here. Every starter registered with
-the checker is checked untouched, in this process: the checker reads the file for a todo() left
-before it launches anything, so no process starts here. Each chapter's
-tests/test_chNN_exercises.py runs the checker on its solution (passes) and on a wrong answer
-(the failure it names).
+committed starter that differs from its generated form fails here, and `make starters` leaves a
+starter someone edited as it is (it names it; FORCE=1 overwrites, keeping a .bak). Every starter
+registered with the checker is checked untouched, in this process: the checker reads the file for
+a todo() left, or a syntax error, before it launches anything, so no process starts here (the
+GPU test fakes the launcher). Each chapter's tests/test_chNN_exercises.py runs the checker on
+its solution (passes) and on the wrong answers a learner plausibly writes (the failure each
+names).
 """
+import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -96,4 +101,155 @@ def test_make_exercise_runs_the_checker():
     unknown = subprocess.run([sys.executable, "-m", "distkit.course.exercise", "9.9"], cwd=ROOT,
                              capture_output=True, text=True, env=launcher_env())
     assert unknown.returncode == 1
-    assert unknown.stderr.startswith("distkit.course.exercise: no exercise '9.9'; known: 00.1, 00.2")
+    assert unknown.stderr.startswith("distkit.course.exercise: no exercise '9.9'; known: 00.1, "
+                                     "00.2")
+
+
+# --- a file that does not compile: one line, nothing launched ---------------------------------
+
+@pytest.mark.parametrize("edit, error", [
+    ("x = (", "'(' was never closed"),
+    ("  y = 1", "unexpected indent"),
+    ("return 1", "'return' outside function"),  # compile() finds it, ast.parse() does not
+])
+def test_a_file_that_does_not_compile_is_one_line(tmp_path, edit, error):
+    """Mid-edit, a learner's file often does not parse: FAIL with FILE:LINE, no traceback."""
+    solution = (CODE / "ch00_collectives/solutions/ex00_global_mean.py").read_text().splitlines()
+    at = next(i for i, line in enumerate(solution) if line.startswith("env = setup()"))
+    path = tmp_path / "ex00_global_mean.py"
+    path.write_text("\n".join(solution[:at] + [edit] + solution[at:]) + "\n")
+    ok, lines = ex.check("00.2", path, echo=lambda _: None)
+    assert not ok
+    assert lines == [f"FAIL syntax error at {path}:{at + 1}: {error}"]
+    cli = subprocess.run([sys.executable, "-m", "distkit.course.exercise", "00.2", "--file",
+                          str(path)], cwd=ROOT, capture_output=True, text=True,
+                         env=launcher_env())
+    assert (cli.returncode, cli.stdout, cli.stderr) == (1, lines[0] + "\n", "")
+
+
+def test_a_missing_file_is_one_line(tmp_path):
+    ok, lines = ex.check("00.2", tmp_path / "nowhere.py", echo=lambda _: None)
+    assert not ok
+    assert lines == [f"FAIL cannot read {tmp_path / 'nowhere.py'}: No such file or directory"]
+
+
+def test_a_launch_error_names_its_line():
+    """The first exception line of the ranks' output, with its line in the checked file."""
+    out = "\n".join([
+        "[rank1]: Traceback (most recent call last):",
+        '[rank1]:   File "/x/ex.py", line 12, in <module>',
+        "[rank1]:     f()",
+        '[rank1]:   File "/x/ex.py", line 7, in f',
+        "[rank1]:     y = undefined",
+        "[rank1]: NameError: name 'undefined' is not defined",
+        "E1127 torch.distributed.elastic.multiprocessing.api: failed (exitcode: 1)"])
+    assert ex._launch_error(out, Path("/x/ex.py")) == \
+        "NameError: name 'undefined' is not defined (at /x/ex.py:7)"
+    assert ex._launch_error(out, Path("/y/other.py")) == \
+        "NameError: name 'undefined' is not defined"
+
+
+# --- a GPU node with fewer GPUs than ranks: the CPU, and a line that says so -------------------
+
+def test_fewer_gpus_than_ranks_checks_on_the_cpu(tmp_path, monkeypatch):
+    """Faked: 1 GPU visible, COURSE_DEVICE unset. A launcher stand-in writes the device the
+    launch was given; 1 rank keeps the scripts' choice (the GPU), 2 ranks run on the CPU."""
+    launcher = tmp_path / "launcher.sh"
+    launcher.write_text('#!/bin/sh\nfor a; do out="$a"; done\n'
+                        'printf \'{"nproc": %s, "device": "%s"}\' "$1" "$COURSE_DEVICE" > "$out"\n')
+    launcher.chmod(0o755)
+    script = tmp_path / "ex.py"
+    script.write_text("print('no todo here')\n")
+
+    def checks(run):
+        res = run()
+        yield True, f"launched at {res['nproc']} ranks, COURSE_DEVICE={res['device']!r}", ""
+
+    monkeypatch.setattr(ex, "LAUNCHER", launcher)
+    monkeypatch.setattr(ex, "gpus_visible", lambda: 1)
+    monkeypatch.delenv("COURSE_DEVICE")
+    monkeypatch.setitem(ex.REGISTRY, "99.9", ex.Exercise("99.9", str(script), (1, 2), checks))
+    ok, lines = ex.check("99.9", script, echo=lambda _: None)
+    assert ok, lines
+    assert lines[1:] == [
+        "PASS [1 rank] launched at 1 ranks, COURSE_DEVICE=''",
+        "NOTE [2 ranks] this machine has 1 GPU(s), fewer than 2 ranks (one GPU each): checking "
+        "at 2 ranks on the CPU (gloo) instead",
+        "PASS [2 ranks] launched at 2 ranks, COURSE_DEVICE='cpu'"]
+    monkeypatch.setenv("COURSE_DEVICE", "cuda")  # asked for: a clear line, nothing launched
+    ok, lines = ex.check("99.9", script, nprocs=(2,), echo=lambda _: None)
+    assert not ok
+    assert lines[1:] == ["FAIL [2 ranks] COURSE_DEVICE=cuda, but this machine has 1 GPU(s) for "
+                         "2 ranks: unset it, and the checker runs these ranks on the CPU"]
+
+
+# --- make starters / make exercises: a learner's edits stay --------------------------------------
+
+@pytest.fixture
+def copy(tmp_path):
+    """The course's Makefile, helper package, solutions and starters in tmp_path (the venv
+    linked): `make` there works on the copy."""
+    for name in ("Makefile", "requirements.txt"):
+        shutil.copy2(ROOT / name, tmp_path / name)  # the venv stays newer than the pins
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    shutil.copytree(CODE / "distkit", tmp_path / "code/distkit",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for sol in ex.solutions():
+        for path in (sol, ex.starter_of(sol)):
+            dest = tmp_path / "code" / path.relative_to(CODE)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dest)
+    return tmp_path
+
+
+def make(root, *args):
+    env = {k: v for k, v in launcher_env().items() if k not in ("MAKEFLAGS", "MFLAGS")}
+    return subprocess.run(["make", "-s", "--no-print-directory", *args], cwd=root,
+                          capture_output=True, text=True, env=env)
+
+
+EX = "code/ch00_collectives/exercises/ex00_global_mean.py"
+
+
+def test_make_starters_leaves_an_edited_starter_as_it_is(copy):
+    starter = copy / EX
+    edited = starter.read_text() + "# my work in progress\n"
+    starter.write_text(edited)
+    for target in (["starters"], ["exercises"]):  # the old name does the same
+        done = make(copy, *target)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == [
+            f"skipped {EX}: edited since it was generated (your work is left as it is; "
+            "FORCE=1 overwrites it, keeping a .bak)"]
+        assert starter.read_text() == edited
+    plural = make(copy, "exercises", "EX=00.2")  # one letter from make exercise EX=00.2
+    assert plural.returncode == 2 and plural.stdout == ""
+    assert plural.stderr.startswith("make exercises: did you mean make exercise EX=00.2 (checks "
+                                    "your exercise)? Nothing was changed.")
+    assert starter.read_text() == edited
+    forced = make(copy, "starters", "FORCE=1")
+    assert forced.returncode == 0, forced.stderr
+    assert forced.stdout.splitlines() == [
+        f"wrote {EX} (the edited text kept in ex00_global_mean.py.bak)"]
+    assert starter.with_name(starter.name + ".bak").read_text() == edited
+    assert starter.read_text() == (CODE / EX.removeprefix("code/")).read_text()
+
+
+def test_make_starters_rewrites_a_stale_starter(copy):
+    """A starter as generated, from the solution as committed or as last written here, follows
+    its solution's changes without FORCE."""
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(copy)]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "copy"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    solution = copy / EX.replace("exercises", "solutions")
+    committed = solution.read_text()
+    for n in (1, 2):  # committed -> first edit (git HEAD), first -> second edit (the record)
+        solution.write_text(committed.replace("(it sums in place)", f"(it sums in place, {n})"))
+        done = make(copy, "starters")
+        assert (done.returncode, done.stdout) == (0, f"wrote {EX}\n"), done.stderr
+        assert (copy / EX).read_text() == ex.make_starter(solution.read_text(), solution.name)
+        assert f"in place, {n})" in (copy / EX).read_text()
+    done = make(copy, "starters")
+    assert done.stdout == "every starter is up to date\n"
+    assert json.loads((copy / "build/starters.json").read_text()).keys() == {
+        "ch00_collectives/exercises/ex00_global_mean.py"}

@@ -387,9 +387,9 @@ def check(ex_id: str, file: str | Path | None = None, nprocs=None, echo=print,
 def solution_as_starter(ex_id: str, tmp: Path, change: tuple | None = None) -> Path:
     """A copy of the exercise's chapter folder in tmp whose starter is its solution: as a learner
     who got it right would have it. `change` = (old, new) makes it a wrong answer the checker
-    must catch: the one line holding `old` replaced by `new` (None: the line removed; lines of
-    `new` take that line's indent); a list of such pairs makes several changes. Returns the
-    starter's path in the copy."""
+    must catch: the one line holding `old` (or, of several, the one that is `old`) replaced by
+    `new` (None: the line removed; lines of `new` take that line's indent); a list of such pairs
+    makes several changes. Returns the starter's path in the copy."""
     ex = load_registry()[ex_id]
     chapter = (CODE / ex.starter).parent.parent
     copy = Path(tmp) / chapter.name
@@ -399,6 +399,8 @@ def solution_as_starter(ex_id: str, tmp: Path, change: tuple | None = None) -> P
         keepends=True)
     for old, new in ([change] if change and isinstance(change[0], str) else change or []):
         hits = [i for i, ln in enumerate(lines) if old in ln]
+        if len(hits) > 1:  # one of them may be the whole line
+            hits = [i for i in hits if lines[i].strip() == old.strip()]
         if len(hits) != 1:
             raise ValueError(f"{old!r} is on {len(hits)} lines of the solution, not one")
         i = hits[0]
