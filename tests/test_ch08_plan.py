@@ -15,7 +15,7 @@ import sys
 from conftest import CODE, ROOT, launcher_env
 from distkit.memory import LLAMA_CONFIGS, communication_bytes, flops_per_token, llama_parts, \
     llama_training_bytes
-from distkit.speed import GPUS, LINKS, count_flops, hardware_flops, step_time
+from distkit.speed import count_flops, hardware_flops
 
 SIM = "ch03_zero/simulate_fsdp.py"
 GRID = ROOT / "code" / "ch03_zero" / "results" / "simulate_grid.json"
@@ -113,24 +113,6 @@ def test_torch_counts_the_flops_of_the_formulas():
     ran = count_flops(config, seq, attn="sdpa", ac="full")
     attention = sum(v for k, v in ran.items() if "attention" in k)
     assert ran["aten.mm"] + attention // 2 == hardware_flops(config, seq, ac="full")["hardware"]
-
-
-def test_speed_model_arithmetic():
-    config, gpu = LLAMA_CONFIGS["8b"], GPUS["H100 SXM"]
-    # one node: FSDP on NVLink, hidden behind a big step but for one layer's gather
-    big = step_time(config, gpu=gpu, link=LINKS["IB NDR / RoCE 400G"], gpus=8, seq=8192,
-                    batch=4, eff=0.5)
-    assert big["fsdp comm s"] < big["compute s"]
-    assert big["step s"] == pytest.approx(big["compute s"] + big["fsdp comm s"] / 32)
-    hw = big["hardware flops"]
-    assert big["mfu"] == pytest.approx(0.5 * hw["model"] / hw["hardware"] * big["compute s"]
-                                       / big["step s"])
-    # across nodes a small batch cannot hide FSDP's bytes: tokens/s per GPU falls
-    small = step_time(config, gpu=gpu, link=LINKS["IB HDR 200G"], gpus=64, seq=2048, batch=1)
-    assert small["fsdp exposed s"] > small["fsdp comm s"] / 32
-    assert small["tokens/s/GPU"] < big["tokens/s/GPU"]
-    with pytest.raises(ValueError, match="tp 16"):
-        step_time(config, gpu=gpu, link=1e9, gpus=64, seq=2048, batch=1, tp=16)
 
 
 @pytest.mark.second_nproc

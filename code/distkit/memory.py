@@ -306,7 +306,8 @@ def _check(precision, attn, ac):
 
 
 def llama_layer_saved(config, seq: int, batch: int, *, precision: str = "bf16",
-                      attn: str = "sdpa", ac: str = "none", tensor_parallel: int = 1) -> dict:
+                      attn: str = "sdpa", ac: str = "none", tensor_parallel: int = 1,
+                      sequence_parallel: bool = False) -> dict:
     """Bytes one LlamaDecoderLayer keeps for its backward, by tensor: {what: bytes}.
 
     T = seq x batch tokens, h hidden, kv = key/value heads x head size (grouped-query), i the
@@ -326,24 +327,31 @@ def llama_layer_saved(config, seq: int, batch: int, *, precision: str = "bf16",
       down: p(3Th + 2T kv + 2Ti)) and, with sdpa, the attention's output and log-sum-exp.
     Tensor parallelism (t ranks, Megatron's column/row split, no sequence parallelism) divides
     what lives per head or per intermediate column by t; the norms and the matmul inputs are
-    replicated. Not counted: temporaries that live inside one operator, and the tensors the
+    replicated. `sequence_parallel` (torchtitan's plan: SequenceParallel norms between the
+    column/row-parallel matmuls) splits the tokens of what runs between them: the norms' saved
+    tensors and the layer's input (the residual) are divided by t; the matmuls' inputs are not
+    (DTensor all-gathers the norm's output and the matmul saves the gathered tensor; Megatron-LM
+    keeps the shard and gathers again in the backward: 1/t there). A model, not simulated
+    (simulate_fsdp.py's --tp is Megatron's plan without it).
+    Not counted: temporaries that live inside one operator, and the tensors the
     backward of a recomputed layer holds (`llama_training_bytes` adds one recomputed layer).
     """
     _check(precision, attn, ac)
     m, t = _llama(config), tensor_parallel
     T, p = seq * batch, 4 if precision == "fp32" else 2
     residual = 2 if precision == "bf16" else 4
+    sp = t if sequence_parallel else 1  # what runs on T / t tokens under sequence parallelism
     if ac == "full":
-        return {"layer input": residual * T * m.h}
+        return {"layer input": residual * T * m.h // sp}
     if ac == "selective":
-        out = {"layer input": residual * T * m.h,
+        out = {"layer input": residual * T * m.h // sp,
                "matmul outputs (q, k, v, o, gate, up, down)":
                    p * T * (m.h + 2 * m.kv + 2 * m.i) // t + 2 * p * T * m.h}  # o, down: full h
         if attn == "sdpa":
             out["attention output and log-sum-exp"] = (p * T * m.h + 4 * T * m.a) // t
         return out
     out = {"2 RMSNorms: fp32 input, 1/rms, normalised":
-               2 * (4 * T * m.h + 4 * T + (2 if precision == "bf16" else 4) * T * m.h),
+               2 * (4 * T * m.h + 4 * T + (2 if precision == "bf16" else 4) * T * m.h) // sp,
            "matmul inputs": (5 * 2 if precision == "amp" else 2 * p) * T * m.h}
     if attn == "sdpa":
         out["q, k, v"] = p * T * (m.h + 2 * m.kv) // t
@@ -361,7 +369,7 @@ def llama_layer_saved(config, seq: int, batch: int, *, precision: str = "bf16",
 
 
 def llama_rest_saved(config, seq: int, batch: int, *, precision: str = "bf16",
-                     ac: str = "none") -> dict:
+                     ac: str = "none", vocab_parallel: int = 1, loss_chunks: int = 1) -> dict:
     """Bytes the rest of a LlamaForCausalLM keeps for its backward, outside its decoder layers.
 
     The token ids and the shifted labels (int64, 8T each); the final RMSNorm (as a layer's);
@@ -371,14 +379,20 @@ def llama_rest_saved(config, seq: int, batch: int, *, precision: str = "bf16",
     cos and sin (s x head size each, shared by every layer; fp32 but in bf16), saved by the
     layers' ops without checkpointing. The logits themselves are not saved: `llama_training_bytes`
     adds them where they are alive.
+    `vocab_parallel` = t ranks (torchtitan's loss_parallel: the LM head split by vocabulary, the
+    final norm sequence-parallel) divides the final norm and the log-softmax by t; `loss_chunks`
+    = c (a chunked or fused linear + cross-entropy that holds T / c tokens' logits at a time)
+    divides the log-softmax by c. Both modelled, not simulated.
     """
     _check(precision, "sdpa", ac)
     m, T = _llama(config), seq * batch
     lowp = precision != "fp32"
+    t, c = vocab_parallel, loss_chunks
     out = {"token ids and labels": 16 * T,
-           "final RMSNorm": 4 * T * m.h + 4 * T + (2 if precision == "bf16" else 4) * T * m.h,
+           "final RMSNorm": (4 * T * m.h + 4 * T + (2 if precision == "bf16" else 4) * T * m.h)
+           // t,
            "LM head's input": (2 if lowp else 4) * T * m.h,
-           "log-softmax of the fp32 logits (the loss)": 4 * T * m.v + 4}
+           "log-softmax of the fp32 logits (the loss)": 4 * T * m.v // (t * c) + 4}
     if precision == "amp":
         out["autocast's bf16 copy of the LM head"] = 2 * m.v * m.h
     if ac == "none":
@@ -396,7 +410,9 @@ def llama_parts(config) -> dict:
 
 def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision: str = "bf16",
                          attn: str = "sdpa", ac: str = "none", recipe: Recipe = FP32_ADAMW,
-                         tensor_parallel: int = 1, pipeline_parallel: int = 1) -> dict:
+                         tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                         sequence_parallel: bool = False, in_flight: int = 1,
+                         cpu_offload: bool = False, loss_chunks: int = 1) -> dict:
     """Bytes on one FSDP2 rank at the peak of a training step, by FSDPMemTracker's categories.
 
     FSDP2 shards every decoder layer and the root over `ranks` (reshard_after_forward: layers
@@ -425,8 +441,17 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
     Tensor parallelism (t ranks, the decoder layers split as in `llama_layer_saved`, the root
     whole on every tp rank and sharded over the `ranks` data-parallel ranks only) divides the
     layers' states and activations by t; pipeline parallelism (pp stages) the layers per rank,
-    the root counted whole (a first or last stage holds part of it); a stage's in-flight
-    micro-batches are not modelled (pp 1 is what the simulation checks).
+    the root counted whole (a first or last stage holds part of it); `in_flight` micro-batches'
+    activations live on the stage at once (1F1B: the first stage holds min(pp, micro-batches),
+    so L / pp layers x pp = the whole model's layers for one micro-batch).
+    Options that no simulation here checks (modelled from what they do, with pp and in_flight):
+    - `sequence_parallel` (with t > 1: torchtitan's plan, SequenceParallel norms and a
+      vocabulary-parallel embedding, LM head and loss): the root is split by t as well, with the
+      logits' terms; the layers as in `llama_layer_saved`;
+    - `cpu_offload` (FSDP2's CPUOffloadPolicy): the sharded parameters, their gradients and
+      AdamW's state live in host memory ("CPU", not in "Total");
+    - `loss_chunks` = c: a chunked or fused linear + cross-entropy holds T / c tokens' fp32
+      logits, their log-softmax and gradients at a time.
     Sizes in bytes per rank; FSDP2 pads shards to a multiple of `ranks` (ignored here: < 0.1 %).
     Checked against simulate_fsdp.py (tests/test_ch03_scripts.py) for fp32 and bf16, sdpa and
     eager, every checkpointing mode, t = 2 on one point; precision "amp" and pp > 1 are not.
@@ -437,22 +462,27 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
     L = m.layers // pp
     pb = 2 if precision == "bf16" else 4  # gathered weights and their gradients
     p, r = (4 if precision == "fp32" else 2), (2 if precision == "bf16" else 4)
-    layer, root = parts["layer"] // t, parts["root"]  # the root is not tensor-parallel
+    vp = t if sequence_parallel else 1  # the root split by vocabulary, or whole on each tp rank
+    c = loss_chunks
+    layer, root = parts["layer"] // t, parts["root"] // vp
     saved = sum(llama_layer_saved(config, seq, batch, precision=precision, attn=attn, ac=ac,
-                                  tensor_parallel=t).values())
+                                  tensor_parallel=t, sequence_parallel=sequence_parallel).values())
     full = sum(llama_layer_saved(config, seq, batch, precision=precision, attn=attn,
-                                 tensor_parallel=t).values())
-    rest = llama_rest_saved(config, seq, batch, precision=precision, ac=ac)
+                                 tensor_parallel=t, sequence_parallel=sequence_parallel).values())
+    rest = llama_rest_saved(config, seq, batch, precision=precision, ac=ac, vocab_parallel=vp,
+                            loss_chunks=c)
     tokens = rest["token ids and labels"]
-    states = model_state_bytes(m.layers * parts["layer"] / (t * pp) + parts["root"], n, 3, recipe)
+    states = model_state_bytes(m.layers * parts["layer"] / (t * pp) + root, n, 3, recipe)
+    waiting = (in_flight - 1) * L * saved  # other micro-batches' activations on this stage
     # checkpointed layers hold their arguments: the rotary cos and sin (saved by ops otherwise)
     held = 2 * seq * m.head * r if ac != "none" else 0
     base = {"Sharded Param": states["params"], "OptState": states["optimizer"],
             "Inputs": tokens // 2}
     moments = {"loss backward": {
         "Unsharded Param": root * pb, "All Gather": layer * pb if L else 0,
-        "Activation": L * saved + sum(rest.values()) + held - tokens, "Temp": 8 * T * m.v}}
-    head = (m.v * m.h + m.h) * pb  # the root's gradients after the LM head's backward
+        "Activation": L * saved + sum(rest.values()) + held - tokens + waiting,
+        "Temp": 8 * T * m.v // (vp * c)}}
+    head = (m.v * m.h // vp + m.h) * pb  # the root's gradients after the LM head's backward
     mlp_backward = r * T * m.h + 3 * p * T * m.i // t + m.h * m.i * pb // t
     # checkpointing: the layer's forward runs again and its tensors live through its backward
     # but what selective checkpointing cached (already in saved), its SwiGLU product freed as
@@ -464,7 +494,7 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
             "Unsharded Param": (root + layer) * pb, "All Gather": layer * pb if j < L - 1 else 0,
             "Reduce Scatter": layer * 4 if j else 0, "Sharded Grad": j * layer * 4 // n,
             "Activation": (L - j) * saved + rest.get("rotary cos, sin", held)
-            - (p * T * m.i // t if ac == "none" else 0),
+            - (p * T * m.i // t if ac == "none" else 0) + waiting,
             "Temp": head + mlp_backward + recompute}
         # the same layer at the end of its backward: its seven weight gradients all alive (FSDP2
         # reduce-scatters them together), its saved tensors freed but the first RMSNorm's and
@@ -474,19 +504,24 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
         moments[f"layer {j} weight gradients"] = {
             **moments[f"layer {j} backward"],
             "Activation": (L - j - 1) * saved + first_norm + (saved if ac != "none" else 0)
-            + rest.get("rotary cos, sin", held),
+            + rest.get("rotary cos, sin", held) + waiting,
             "Temp": head + layer * pb + 4 * r * T * m.h + (
                 4 * T * m.h + 4 * T + 4 * T * m.h + p * T * m.h if ac != "none" else 0)}
     moments["embedding backward"] = {
-        "Unsharded Param": root * pb, "Reduce Scatter": layer * 4, "Sharded Grad": L * layer * 4 // n,
-        "Temp": (3 if m.tied else 2) * m.v * m.h * pb + m.h * pb}
+        "Unsharded Param": root * pb, "Reduce Scatter": layer * 4,
+        "Sharded Grad": L * layer * 4 // n,
+        "Temp": (3 if m.tied else 2) * m.v * m.h // vp * pb + m.h * pb}
     moments["root reduce-scatter"] = {  # the root's gradients, and their fp32 copy to reduce
         "Sharded Grad": L * layer * 4 // n, "Unsharded Grad": root * pb,
         "Temp": root * 4 if pb != 4 else 0}
-    totals = {k: sum(v.values()) for k, v in moments.items()}
+    host = ("Sharded Param", "OptState", "Sharded Grad") if cpu_offload else ()
+    totals = {k: sum(b for c, b in {**base, **v}.items() if c not in host)
+              for k, v in moments.items()}
     moment = max(totals, key=totals.get)
     out = {**base, **moments[moment]}
-    out["Total"] = sum(out.values())
+    if cpu_offload:  # FSDP2's CPUOffloadPolicy: the shards and AdamW's state in host memory
+        out["CPU"] = sum(out.pop(c, 0) for c in host)
+    out["Total"] = sum(v for k, v in out.items() if k != "CPU")
     out["moment"] = moment
     return out
 

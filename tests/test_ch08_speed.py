@@ -1,0 +1,228 @@
+"""Chapter 08's time model and planner, term by term against hand computations (no launch, no
+torch: plain arithmetic, well under a second).
+
+Each new term of distkit.speed.step_time has a test that computes it here from its definition
+with the course's numbers (NCCL's latencies, datasheet bandwidths, bytes per parameter), not by
+calling the function that the model uses for it."""
+import math
+
+import pytest
+
+from distkit.memory import GiB, LLAMA_CONFIGS, llama_parts, llama_training_bytes, matmul_params
+from distkit.speed import (ADAMW_BYTES, FABRIC, GPUS, LINKS, Efficiency, Fabric, Layout,
+                           activation_traffic, collective_time, fsdp_threshold_tokens,
+                           hardware_flops, memory_bound_seconds, step_time)
+
+H100, NDR = GPUS["H100 SXM"], LINKS["IB NDR / RoCE 400G"]
+C8, C70 = LLAMA_CONFIGS["8b"], LLAMA_CONFIGS["70b"]
+us = 1e-6
+
+
+def test_collective_alpha_beta_by_hand():
+    """NCCL 2.30's ring constants (tuning.cc, Simple): 8.4 us a collective, 3.4 us a step
+    inside a node, 14 us a step between nodes; bus bandwidth 80 % of the line rate."""
+    gb = 1e9
+    inside = collective_time("all_gather", gb, 8, 8, 450e9, NDR)
+    assert inside == pytest.approx(8.4 * us + 7 * 3.4 * us + 7 / 8 * gb / (0.8 * 450e9))
+    # 64 ranks, 8 per node: 63 steps, 7 of them between nodes, at the NIC's 50 GB/s
+    across = collective_time("reduce_scatter", gb, 64, 8, 450e9, NDR)
+    assert across == pytest.approx((8.4 + 56 * 3.4 + 7 * 14) * us + 63 / 64 * gb / (0.8 * 50e9))
+    # an all-reduce is a reduce-scatter and an all-gather: twice the steps and the bytes, one base
+    ar = collective_time("all_reduce", gb, 4, 1, 450e9, NDR)
+    assert ar == pytest.approx((8.4 + 2 * 3 * 14) * us + 2 * 3 / 4 * gb / (0.8 * 50e9))
+    # one rank: nothing to do; a latency-bound collective: 1 KB over 512 ranks costs ~2 ms
+    assert collective_time("all_gather", gb, 1, 8, 450e9, NDR) == 0
+    assert collective_time("all_gather", 1e3, 512, 8, 450e9, NDR) > 2e-3
+    with pytest.raises(ValueError, match="unknown collective"):
+        collective_time("broadcast", gb, 8, 8, 450e9, NDR)
+
+
+def test_memory_bound_seconds_by_hand():
+    """AdamW foreach: 80 bytes per fp32 parameter (torch 2.13's _multi_tensor_adam, counted in
+    ADAMW_BYTES' comment); fused 28. FSDP2's copies: 12 per sharded, 14 per unsharded."""
+    m = memory_bound_seconds(1e9, 8e9, H100)
+    assert m["optimizer s"] == pytest.approx(80e9 / 3.35e12)
+    assert m["copies s"] == pytest.approx((12e9 + 14 * 8e9) / 3.35e12)
+    fused = memory_bound_seconds(1e9, 8e9, H100, optimizer="fused")
+    assert fused["optimizer s"] == pytest.approx(28e9 / 3.35e12) and ADAMW_BYTES["fused"] == 28
+
+
+def test_h200_fixed_cost_from_the_recorded_steps():
+    """Review F7: the course's H200 steps (1B, one GPU) fit ~43 ms of fixed cost per step. The
+    memory-bound terms explain this much of it, by hand: foreach AdamW over 1.236e9 fp32
+    parameters, 80 B each, at 4.8 TB/s = 20.6 ms; FSDP2's copies on a world of one, 26 B per
+    parameter = 6.7 ms. The rest (~16 ms) is left to per-op CPU dispatch: not modelled."""
+    params = sum(llama_parts(LLAMA_CONFIGS["1b"]).values()) + 15 * llama_parts(
+        LLAMA_CONFIGS["1b"])["layer"]
+    assert params == 1_235_814_400
+    m = memory_bound_seconds(params, params, GPUS["H200 SXM"])
+    assert round(1e3 * m["optimizer s"], 1) == 20.6 and round(1e3 * m["copies s"], 1) == 6.7
+
+
+def test_per_phase_overlap_by_hand():
+    """8B on 64 GPUs (8 nodes), 8 x 2048 tokens per GPU: the backward carries 6 of the 8 bytes
+    per parameter but only 2/3 of the compute, so it exposes communication that a single
+    overlap pool would hide. Computed here from the collectives' definitions."""
+    lay = Layout(gpus=64, seq=2048, batch=8, ac="none")
+    eta = 0.47
+    t = step_time(C8, lay, gpu=H100, link=NDR, eta=eta)
+    parts, L = llama_parts(C8), 32
+    hw = hardware_flops(C8, 2048, 8)
+    cf = hw["forward"] / (eta * H100.peak)
+    cb = (hw["hardware"] - hw["forward"]) / (eta * H100.peak)
+    assert (t["forward compute s"], t["backward compute s"]) == (pytest.approx(cf),
+                                                                pytest.approx(cb))
+
+    def ring(nbytes):  # 64 ranks, 8 per node
+        return (8.4 + 56 * 3.4 + 7 * 14) * us + 63 / 64 * nbytes / (0.8 * 50e9)
+    layer, root = parts["layer"], parts["root"]
+    gather_f = L * ring(2 * layer) + ring(2 * root)
+    comm_b = L * ring(2 * layer) + L * ring(4 * layer) + ring(4 * root)
+    assert comm_b > cb and gather_f + comm_b < cf + cb  # per phase exposed, pooled hidden
+    exposed = (max(cf, gather_f) + ring(2 * layer) - cf) + (max(cb, comm_b) + ring(4 * root) - cb)
+    assert t["fsdp exposed s"] == pytest.approx(exposed)
+    copies = (12 * (L * layer + root) / 64 + 14 * (L * layer + root)) / 3.35e12
+    optimizer = 80 * (L * layer + root) / 64 / 3.35e12
+    assert t["step s"] == pytest.approx(cf + cb + exposed + copies + optimizer)
+    assert t["tokens/s/GPU"] == pytest.approx(8 * 2048 / t["step s"])
+
+
+def test_hsdp_all_reduce_once_per_optimizer_step():
+    """HSDP 8 x 8 (shard inside a node, replicate across 8 nodes): the shard group's collectives
+    run on NVLink every micro-step; the gradient shards' all-reduce across replicas (fp32, one
+    rank per node) only in the last micro-step: by hand, per layer and for the root."""
+    one, four = (step_time(C8, Layout(gpus=64, seq=8192, replicate=8, accumulation=a, ac="full"),
+                           gpu=H100, link=NDR, eta=0.4) for a in (1, 4))
+    assert four["step s"] - one["step s"] == pytest.approx(3 * one["micro-step s"])
+    parts = llama_parts(C8)
+
+    def ar(nbytes):  # 8 replicas, one per node: 2 x 7 steps between nodes
+        return (8.4 + 14 * 14) * us + 2 * 7 / 8 * nbytes / (0.8 * 50e9)
+    assert one["hsdp all-reduce s"] == pytest.approx(32 * ar(4 * parts["layer"] / 8)
+                                                     + ar(4 * parts["root"] / 8))
+    fsdp = step_time(C8, Layout(gpus=64, seq=8192, accumulation=4, ac="full"), gpu=H100,
+                     link=NDR, eta=0.4)
+    assert four["fsdp comm s"] < fsdp["fsdp comm s"] / 4  # NVLink, not the NIC, every micro-step
+
+
+def test_pipeline_bubble_and_slots():
+    """1F1B with m micro-batches on p stages: m + p - 1 slots of one micro-batch's stage time,
+    the bubble (p - 1) of them; the optimizer once."""
+    lay = Layout(gpus=64, seq=8192, pp=4, tp=8, accumulation=12, ac="full",
+                 sequence_parallel=True)
+    t = step_time(C70, lay, gpu=H100, link=NDR, eta=0.4)
+    assert t["pp bubble s"] == pytest.approx(3 * t["micro-step s"])
+    assert t["step s"] == pytest.approx(15 * t["micro-step s"] + t["optimizer s"], rel=1e-3)
+    assert t["tokens/step"] == 2 * 12 * 8192  # 2 data-parallel ranks, 12 micro-batches
+    # the slowest stage: 20 of the 80 layers and the LM head, its share of tp 8
+    hw = hardware_flops(C70, 8192, 1, ac="full")
+    head = 6 * C70["vocab_size"] * C70["hidden_size"] * 8192
+    want = ((hw["hardware"] - head) / 32 + head / 8) / (0.4 * H100.peak)
+    assert t["forward compute s"] + t["backward compute s"] == pytest.approx(want)
+
+
+def test_tensor_parallel_switch_in_both_models():
+    """Review F6: without the vocabulary-parallel root every tp rank runs the whole LM head
+    (6 V h per token) and holds the whole root; with it (torchtitan's plan) both split by t."""
+    def run(sp):
+        return step_time(C8, Layout(gpus=512, seq=8192, batch=4, tp=8, ac="full",
+                                    sequence_parallel=sp), gpu=H100, link=NDR, eta=0.4)
+    megatron, titan = run(False), run(True)
+    head = 6 * C8["vocab_size"] * C8["hidden_size"] * 4 * 8192
+    extra = (megatron["forward compute s"] + megatron["backward compute s"]
+             - titan["forward compute s"] - titan["backward compute s"])
+    assert extra == pytest.approx(head * (1 - 1 / 8) / (0.4 * H100.peak))
+    root = llama_parts(C8)["root"]
+    m0, m1 = (llama_training_bytes(C8, ranks=64, seq=8192, batch=1, ac="full",
+                                   tensor_parallel=8, sequence_parallel=sp) for sp in (False,
+                                                                                     True))
+    assert (m0["Unsharded Param"], m1["Unsharded Param"]) == (2 * root, 2 * (root // 8))
+    assert m1["Temp"] == 8 * 8192 * C8["vocab_size"] // 8  # the logits' gradients, split by t
+
+
+def test_efficiency_two_parts_by_hand():
+    """Efficiency(matmul, passes): compute = hardware FLOPs / (matmul x peak) + passes x
+    activation bytes / HBM; for a bf16 sdpa layer without checkpointing the bytes per token are
+    2 RMSNorms 2(4h + 4 + 2h) + matmul inputs 4h + q,k,v 2(h + 2kv) + output and log-sum-exp
+    2h + 4a + SwiGLU 8i (the formula chapter 08 prints), and the loss's 12 V."""
+    c, s = C8, 4096
+    h, kv, i, a, V = 4096, 1024, 14336, 32, 128256
+    per_token = 2 * (4 * h + 4 + 2 * h) + 4 * h + 2 * (h + 2 * kv) + 2 * h + 4 * a + 8 * i
+    assert activation_traffic(c, s) == s * (32 * per_token + 12 * V)
+    assert activation_traffic(c, s, ac="full") == s * (64 * per_token + 12 * V)
+    t = step_time(c, Layout(gpus=8, seq=s, ac="none"), gpu=H100, link=NDR,
+                  eta=Efficiency(0.6, 5.0))
+    hw = hardware_flops(c, s)["hardware"]
+    seconds = hw / (0.6 * H100.peak) + 5.0 * activation_traffic(c, s) / 3.35e12
+    assert t["eta"] == pytest.approx(hw / (seconds * H100.peak))
+
+
+def test_closed_form_threshold_is_the_models_own_crossover():
+    """F8's closed form, T* = 6 eta P / (4 B) tokens per GPU per micro-step (6 bytes per
+    parameter in the backward, 4 FLOPs per parameter and token), against the crossover the step
+    model itself finds (the batch at which the backward's collectives equal its compute): exact
+    where the closed form's assumptions hold (no attention, no root, no latency: a wide,
+    shallow model at a short sequence, alpha = 0), and within 12 % for Llama 8B and 70B at 8192
+    with NCCL's latencies, on 512 GPUs across nodes."""
+    eta, bw = 0.4, 0.8 * NDR
+    closed = fsdp_threshold_tokens(eta, H100, bw)
+    assert closed == pytest.approx(6 * 0.4 * 989e12 / (4 * 0.8 * 50e9))
+
+    def crossover(config, seq, fabric, gpus=512):
+        def gap(tokens):  # backward comm - backward compute, per micro-step
+            lay = Layout(gpus=gpus, seq=seq, batch=1, ac="none")
+            t = step_time(config, lay, gpu=H100, link=NDR, eta=eta * seq / tokens,
+                          fabric=fabric)
+            return t["fsdp comm s"] * 3 / 4 - t["backward compute s"]  # 6 of 8 bytes
+        lo, hi = 1e2, 1e7
+        for _ in range(100):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if gap(mid) > 0 else (lo, mid)
+        return lo
+    wide = dict(vocab_size=8, hidden_size=8192, intermediate_size=8192 * 4, num_hidden_layers=4,
+                num_attention_heads=64, num_key_value_heads=64, tie_word_embeddings=False)
+    ideal = Fabric(base=0, nvlink_step=0, net_step=0, bus_efficiency=0.8)
+    assert crossover(wide, 16, ideal) == pytest.approx(closed, rel=0.01)
+    for config in (C8, C70):
+        assert crossover(config, 8192, FABRIC) == pytest.approx(closed, rel=0.12)
+
+
+def test_reserved_budget_and_goodput_by_hand():
+    from distkit.plan import (CONTEXT_GIB, FAILURES_PER_GPU_HOUR, RESERVED_RATIO, fits,
+                              goodput, reserved_bytes)
+    # the course's H200 runs: 32.70 / 26.93, 29.98 / 23.68, 47.19 / 39.10 reserved / allocated
+    assert RESERVED_RATIO == pytest.approx(29.98 / 23.68) and CONTEXT_GIB == 2
+    assert reserved_bytes(60 * GiB) == pytest.approx(60 * GiB * 29.98 / 23.68 + 2 * GiB)
+    assert fits(60 * GiB, 79.6) and not fits(61.5 * GiB, 79.6)
+    # Llama 3: 419 interruptions in 54 days on 16,384 GPUs; 64 GPUs: one every ~3.3 weeks
+    assert FAILURES_PER_GPU_HOUR == pytest.approx(419 / (54 * 24 * 16384))
+    g = goodput(64, 2.0, 8e9)
+    mtbf = 3600 * 54 * 24 * 16384 / (419 * 64)
+    delta = 12 * 8e9 / 20e9
+    tau = round(math.sqrt(2 * delta * mtbf) / 2.0) * 2.0
+    assert (g["save s"], g["interval s"]) == (pytest.approx(delta), pytest.approx(tau))
+    assert g["goodput"] == pytest.approx(1 - delta / tau - (tau / 2 + 600) / mtbf)
+
+
+def test_layout_rejects_what_cannot_be_laid_out():
+    with pytest.raises(ValueError, match="tp 16"):
+        Layout(gpus=64, seq=2048, tp=16)
+    with pytest.raises(ValueError, match="must divide"):
+        Layout(gpus=24, seq=2048, tp=8, pp=2)
+    with pytest.raises(ValueError, match=">= 1"):
+        Layout(gpus=8, seq=2048, batch=0)
+    assert matmul_params(C8) * 6 < hardware_flops(C8, 1)["model"]
+
+
+def test_gpu_step_bad_input_and_cpu(monkeypatch, capsys):
+    """gpu_step.py: a one-line error on bad input; on a machine without CUDA it says it is
+    skipped and exits 0 (the notebook's cell and make gpu-smoke run it everywhere)."""
+    import torch
+    from conftest import run_in_process
+    status, _, err = run_in_process(monkeypatch, capsys, "ch08_plan/gpu_step.py", "--steps", "0")
+    assert status == 2 and "--steps >= 1" in err.strip().splitlines()[-1]
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs the real steps (make gpu-smoke)")
+    status, out, _ = run_in_process(monkeypatch, capsys, "ch08_plan/gpu_step.py",
+                                    "--fused-adamw")
+    assert status == 0 and out.startswith("skipped: no CUDA device")
