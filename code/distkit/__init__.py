@@ -22,6 +22,8 @@ Submodules that lesson scripts import, where needed (the lesson layer: small, re
 - `distkit.memory`: chapter 03's formulas and calculator (bytes per rank by category).
 - `distkit.speed`: chapter 08's speed model (step time from FLOPs and bytes) and the one table
   of GPU datasheet figures.
+- `distkit.plan`: chapter 08's planner (a `Layout`'s memory budget, time, days, cost and
+  goodput; the efficiency fitted on the public runs in code/ch08_plan/public_runs.json).
 
 The course's own tooling lives in `distkit.course` (notebook launcher, plots, `make` targets,
 website, exercise checkers, diagrams); lesson scripts never import it.
