@@ -6,15 +6,12 @@ image loaded, with the links resolved by JupyterLab itself; a screenshot is save
 build/lab-screenshots/. Opening the notebook starts no kernel and saves nothing.
 """
 import base64
-import fcntl
 import http.client
 import json
 import os
 import posixpath
 import secrets
-import select
 import shlex
-import signal
 import socket
 import subprocess
 import time
@@ -24,7 +21,7 @@ import pytest
 
 from conftest import ROOT
 from test_images import PNG_MAGIC, notebook_images
-from test_site import browser
+from chromium import Chromium, needs_browser
 
 START_TIMEOUT = 60   # s for the server to answer: ~7 CPU-s to start here, far more under load
 STOP_TIMEOUT = 20    # s to shut down after /api/shutdown
@@ -134,78 +131,13 @@ def test_lab_serves_every_image_the_notebooks_show(lab):
             f"{notebook} shows {ref}: /files/{path} is not the PNG in {path}"
 
 
-class Chromium:
-    """Headless Chromium driven over its DevTools pipe (the protocol Playwright speaks: JSON
-    messages ended by a NUL byte, commands on fd 3, replies and events on fd 4)."""
-
-    def __init__(self, profile, stderr):
-        to_chromium, self.commands = os.pipe()
-        self.replies, from_chromium = os.pipe()
-        # Moved to fds >= 5, so placing them at 3 and 4 in the child overwrites neither.
-        ends = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 5) for fd in (to_chromium, from_chromium)]
-        for fd in (to_chromium, from_chromium):
-            os.close(fd)
-
-        def pipe_at_3_and_4():  # in the child, before exec
-            os.dup2(ends[0], 3)
-            os.dup2(ends[1], 4)
-
-        self.proc = subprocess.Popen(
-            [browser(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-             "--window-size=1280,1000", f"--user-data-dir={profile}", "--no-first-run",
-             "--remote-debugging-pipe", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=stderr, close_fds=False, start_new_session=True,
-            preexec_fn=pipe_at_3_and_4)
-        for fd in ends:
-            os.close(fd)
-        self.buffer, self.last_id = b"", 0
-
-    def send(self, method, session=None, timeout=30, **params):
-        """The result of one DevTools command (events that arrive meanwhile are dropped)."""
-        self.last_id += 1
-        message = {"id": self.last_id, "method": method, "params": params}
-        if session:  # a command to one page (attached with flatten=True), not to the browser
-            message["sessionId"] = session
-        os.write(self.commands, json.dumps(message).encode() + b"\0")
-        deadline = time.monotonic() + timeout
-        while True:
-            while b"\0" in self.buffer:
-                raw, self.buffer = self.buffer.split(b"\0", 1)
-                reply = json.loads(raw)
-                if reply.get("id") == self.last_id:
-                    assert "error" not in reply, f"Chromium: {method}: {reply['error']}"
-                    return reply["result"]
-            left = deadline - time.monotonic()
-            assert left > 0 and select.select([self.replies], [], [], left)[0], \
-                f"Chromium: no reply to {method} within {timeout} s"
-            chunk = os.read(self.replies, 1 << 20)
-            assert chunk, f"Chromium exited ({self.proc.wait()}) during {method}"
-            self.buffer += chunk
-
-    def close(self):
-        """Close the browser; kill its process group if it does not go."""
-        try:
-            if self.proc.poll() is None:
-                self.send("Browser.close", timeout=10)
-                self.proc.wait(timeout=10)
-        except (AssertionError, OSError, subprocess.TimeoutExpired):
-            pass
-        finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            for fd in (self.commands, self.replies):
-                os.close(fd)
-
-
 # Every <img> of the open notebook: the markdown's diagrams and the outputs' plots.
 IMAGES = """[...document.querySelectorAll(".jp-NotebookPanel .jp-Notebook img")].map(i => ({
   src: i.src, alt: i.alt, complete: i.complete, width: i.naturalWidth,
   markdown: !!i.closest(".jp-MarkdownCell")}))"""
 
 
-@pytest.mark.skipif(not browser(), reason="no Chromium (Debian: apt-get install chromium): "
-                    "the JupyterLab browser test skips")
+@needs_browser
 def test_jupyterlab_shows_a_notebooks_diagrams(lab, tmp_path):
     port, token = lab
     expected = sorted(posixpath.normpath(posixpath.join("notebooks", ref))

@@ -1,12 +1,18 @@
 """`make site`: the course as a static website in build/site/, from the notebooks' stored outputs.
 
 Nothing is executed: nbconvert (already pinned for the notebooks) turns each notebook into HTML
-with its outputs, plots included, and latex2mathml turns every $...$ and $$...$$ into MathML,
-which browsers render by themselves (MathML Core), so no page loads anything from the network.
+with its outputs, plots included (a cell's consecutive stream outputs merged into one block, as
+JupyterLab shows them), and latex2mathml turns every $...$ and $$...$$ into MathML, which
+browsers render by themselves (MathML Core), so no page loads anything from the network. A
+formula it would garble (an environment it does not know leaves a literal & or a line break
+MathML Core ignores) is rewritten into one it knows, or reported as not converted.
 
-The site mirrors the repository: README.md -> index.html, notebooks/NN.ipynb -> notebooks/NN.html,
-any other file a page links to -> the same path + .html (highlighted; Markdown rendered), images
-copied. So every relative link in the notebooks and the README works as it does on GitHub.
+The home page (index.html) is a learner's start page: who the course is for, how to start, and
+the path, each chapter's promise and reading time read from its notebook's first cell by
+distkit.course.chapters (the site never parses the README). The rest mirrors the repository:
+notebooks/NN.ipynb -> notebooks/NN.html, any other file a page links to -> the same path + .html
+(highlighted; Markdown rendered; README.md -> README.html), images copied. So every relative
+link in the notebooks and the README works as it does on GitHub.
 
     PYTHONPATH=code python -m distkit.course.site [OUT]      # default build/site
 """
@@ -23,33 +29,72 @@ import jinja2
 import nbformat
 from latex2mathml.converter import convert as latex_to_mathml
 from nbconvert.exporters import HTMLExporter
+from nbconvert.preprocessors import CoalesceStreamsPreprocessor
 from nbconvert.filters.markdown_mistune import IPythonRenderer, MarkdownWithMath
 from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import TextLexer, get_lexer_for_filename
 from pygments.util import ClassNotFound
 
+from distkit.course import chapters as chapter_meta
+
 ROOT = Path(__file__).resolve().parents[3]
 TEMPLATES = Path(__file__).with_name("site_template")
 COURSE = "Distributed training with PyTorch"
-SUMMARY_LINES = 5
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".svg"}
-# A LaTeX command the converter did not know survives as text in its MathML, e.g. <mi>\foo</mi>.
-UNCONVERTED = re.compile(r">[^<]*\\[A-Za-z]+[^<]*<")
+# A LaTeX command the converter did not know survives as text in its MathML, e.g. <mi>\foo</mi>
+# or <mtext>R\&amp;D</mtext>.
+UNCONVERTED = re.compile(r">[^<]*\\(?:[A-Za-z]+|[^A-Za-z\s\\])[^<]*<")
+# What latex2mathml (3.81) makes of an environment it does not know: each & a literal <mi>&</mi>
+# and each \\ a <mspace linebreak="newline"/>, which MathML Core (Chromium) ignores: the rows run
+# together on one line. Such a formula is garbled, not converted.
+GARBLED = [(re.compile(r"<m[ion]>\s*&(amp;)?\s*</m[ion]>"), "a literal & (an alignment mark)"),
+           (re.compile(r'linebreak="newline"'), "a line break (\\\\) browsers ignore"),
+           (re.compile(r">[^<]*\\\\[^<]*<"), "a literal \\\\")]
+# Environments latex2mathml does not know, as ones it does (the same layout): aligned is align*
+# without its own display; the one-column ones are a centred array.
+ENVIRONMENTS = {"aligned": ("align*", ""), "alignedat": ("align*", r"\{\d+\}"),
+                "alignat": ("align*", r"\{\d+\}"), "alignat*": ("align*", r"\{\d+\}"),
+                "gathered": ("array", ""), "gather": ("array", ""), "gather*": ("array", ""),
+                "multline": ("array", ""), "multline*": ("array", ""), "dcases": ("cases", ""),
+                "eqnarray": ("array", ""), "eqnarray*": ("array", "")}
+ARRAY_COLUMNS = {"gathered": "{c}", "gather": "{c}", "gather*": "{c}", "multline": "{c}",
+                 "multline*": "{c}", "eqnarray": "{rcl}", "eqnarray*": "{rcl}"}
+
+
+# latex2mathml keeps the escapes of \text{} and \texttt{} as they are (<mtext>all\_reduce</mtext>):
+# the characters they stand for.
+TEXT_ESCAPE = re.compile(r"\\([_%&#$ {}])")
 
 
 class MathError(ValueError):
     pass
 
 
+def rewrite_environments(tex: str) -> str:
+    """`tex` with each environment latex2mathml does not know replaced by one it does."""
+    for name, (new, argument) in ENVIRONMENTS.items():
+        begin = re.compile(re.escape(rf"\begin{{{name}}}") + argument)
+        tex = begin.sub(lambda _: rf"\begin{{{new}}}" + ARRAY_COLUMNS.get(name, ""), tex)
+        tex = tex.replace(rf"\end{{{name}}}", rf"\end{{{new}}}")
+    return tex
+
+
 def tex_to_mathml(tex: str, display: bool) -> str:
-    """MathML for one formula; MathError when latex2mathml cannot convert all of it."""
+    """MathML for one formula; MathError when latex2mathml cannot convert all of it, or would
+    garble it (a literal &, rows run together)."""
     try:
-        mathml = latex_to_mathml(tex, display="block" if display else "inline")
+        mathml = latex_to_mathml(rewrite_environments(tex),
+                                 display="block" if display else "inline")
     except Exception as e:  # the converter raises its own types (and IndexError on bad braces)
         raise MathError(f"{type(e).__name__}: {e}") from None
+    mathml = re.sub(r"(<mtext[^>]*>)(.*?)(</mtext>)", lambda m: m.group(1) + TEXT_ESCAPE.sub(
+        lambda e: html.escape(e.group(1)), m.group(2)) + m.group(3), mathml, flags=re.S)
     if UNCONVERTED.search(mathml):
         raise MathError("unknown command " + UNCONVERTED.search(mathml).group(0)[1:-1].strip())
+    for pattern, what in GARBLED:
+        if pattern.search(mathml):
+            raise MathError(f"garbled: {what} in the MathML")
     return mathml
 
 
@@ -92,11 +137,14 @@ def markdown(text: str, formulas: list, source: str) -> str:
 
 
 class Exporter(HTMLExporter):
-    """HTMLExporter's 'basic' template (cells only: the page around them is ours), our math."""
+    """HTMLExporter's 'basic' template (cells only: the page around them is ours), our math, and
+    a cell's consecutive stream outputs merged into one (a launch stores each line it flushed as
+    an output of its own: without this, a stack of one-line boxes)."""
 
     def __init__(self, formulas: list, source: str):
         super().__init__(template_name="basic", exclude_input_prompt=True,
                          exclude_output_prompt=True)
+        self.register_preprocessor(CoalesceStreamsPreprocessor, enabled=True)
         self.formulas, self.source = formulas, source
 
     @jinja2.pass_context  # as HTMLExporter's own: the context holds the cell's attachments
@@ -107,25 +155,37 @@ class Exporter(HTMLExporter):
             anchor_link_text=self.anchor_link_text)).render(source)
 
 
+# The labelled paragraphs of a chapter's first cell (COURSE.md), by the Chapter field that holds
+# each: the page's header shows them, so the body does not repeat them.
+LABELS = {"promise": "**In one line:**", "outcomes": "**You will be able to**",
+          "prerequisites": "**Prerequisites:**", "stated_minutes": "**Reading time:**"}
+
+
 @dataclass
 class Chapter:
     path: str  # notebooks/NN_topic.ipynb
     num: str
     title: str
-    diagram: str  # repository path of its first picture ("" if none)
-    diagram_alt: str
-    summary: list  # up to SUMMARY_LINES lines of Markdown: what the chapter measures
+    minutes: int  # the core text's reading time (distkit.course.chapters)
+    promise: str = ""  # Markdown, "" when the first cell has none
+    outcomes: list = field(default_factory=list)
+    prerequisites: str = ""
+    shown: list = field(default_factory=list)  # the LABELS the header shows
+    diagram: str = ""  # repository path of its first picture ("" if none)
+    diagram_alt: str = ""
     exercises: list = field(default_factory=list)  # (starter, solution) repository paths
 
     @property
     def plain_title(self) -> str:  # for <title> and links: without Markdown's marks
         return re.sub(r"`|\*\*", "", self.title)
 
+    @property
+    def name(self) -> str:  # the title without its number: "04 · FSDP2: ..." -> "FSDP2: ..."
+        return re.sub(r"^\d\d\s*·\s*", "", self.title)
+
 
 def site_path(repo_path: str) -> str:
     """Where a repository file's page (or copy) lies in the site."""
-    if repo_path == "README.md":
-        return "index.html"
     p = Path(repo_path)
     if p.suffix in IMAGE_SUFFIXES | {".html"}:  # pictures are copied; .html: the site's own
         return repo_path
@@ -134,48 +194,24 @@ def site_path(repo_path: str) -> str:
     return repo_path + ".html"
 
 
-def split_top_level(text: str, sep: str = ";") -> list:
-    """Split at `sep` outside parentheses and backticks."""
-    parts, depth, code, start = [], 0, False, 0
-    for i, ch in enumerate(text):
-        code ^= ch == "`"
-        depth += (ch == "(") - (ch == ")") if not code else 0
-        if ch == sep and depth == 0 and not code:
-            parts.append(text[start:i].strip())
-            start = i + 1
-    return [p for p in parts + [text[start:].strip()] if p]
-
-
-def measured_column(root: Path) -> dict:
-    """The README's chapter table: notebook path -> its 'what is measured' cell."""
-    rows = {}
-    for line in (root / "README.md").read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-        link = re.search(r"\]\((notebooks/[^)]+\.ipynb)\)", line)
-        if line.startswith("| ") and link and len(cells) >= 4:
-            rows[link.group(1)] = cells[-1]
-    return rows
-
-
 def chapters(root: Path) -> list:
-    """Every notebook, with its diagram (first picture), summary and exercises."""
-    measured = measured_column(root)
+    """Every notebook, with what its first cell says (distkit.course.chapters), its diagram
+    (first picture) and its exercises. A first cell without the labelled parts gives a chapter
+    with its title (or file name) only."""
     out = []
     for nb_path in sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")):
-        rel = str(nb_path.relative_to(root))
+        meta = chapter_meta.read(nb_path)
         nb = nbformat.read(nb_path, as_version=4)
         md = [c.source for c in nb.cells if c.cell_type == "markdown"]
-        title = next((m.group(1) for m in (re.match(r"#\s+(.+)", s) for s in md[:1]) if m),
-                     nb_path.stem)
         picture = next((m for s in md for m in re.finditer(r"!\[([^\]]*)\]\(([^)\s]+)\)", s)), None)
-        diagram = os.path.normpath(os.path.join("notebooks", picture.group(2))) if picture else ""
-        # What is measured: the README's column for it; else the first list of its first cell.
-        summary = split_top_level(measured.get(rel, ""))
-        if not summary and md:
-            summary = re.findall(r"^\s*(?:\d+\.|[*-])\s+(.+)", md[0], re.M)
         num = nb_path.name[:2]
-        chapter = Chapter(rel, num, title, diagram, picture.group(1) if picture else "",
-                          summary[:SUMMARY_LINES])
+        chapter = Chapter(
+            str(nb_path.relative_to(root)), num, meta.title, meta.minutes, meta.promise,
+            list(meta.outcomes), meta.prerequisites,
+            shown=[k for k in LABELS if getattr(meta, k)],
+            diagram=os.path.normpath(os.path.join("notebooks", picture.group(2))) if picture
+            else "",
+            diagram_alt=picture.group(1) if picture else "")
         for code_dir in sorted((root / "code").glob(f"ch{num}_*")):
             for starter in sorted((code_dir / "exercises").glob("*.py")):
                 solution = code_dir / "solutions" / starter.name
@@ -184,6 +220,18 @@ def chapters(root: Path) -> list:
                                           else ""))
         out.append(chapter)
     return out
+
+
+def without_header(first_cell: str, chapter: Chapter) -> str:
+    """A chapter's first cell less what its page's header shows: the title, the diagram, and
+    each labelled paragraph the header shows (the others stay, so nothing is lost)."""
+    text = re.sub(r"\A\s*#\s+.+\n?", "", first_cell)
+    if chapter.diagram:
+        text = re.sub(r"!\[[^\]]*\]\(" + re.escape(os.path.relpath(chapter.diagram, "notebooks"))
+                      + r"\)\n?", "", text)
+    labels = tuple(LABELS[k] for k in chapter.shown)
+    paragraphs = re.split(r"\n\s*\n", text)
+    return "\n\n".join(p for p in paragraphs if not (labels and p.lstrip().startswith(labels)))
 
 
 LINK = re.compile(r'(\s(?:href|src)=")([^"#]*)(#[^"]*)?(")')
@@ -200,12 +248,12 @@ class Site:
         self.exporter = Exporter(self.formulas, "")
         env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=False,
                                  keep_trailing_newline=True)
-        self.page_template = env.get_template("page.html.j2")
-        self.chapter_template = env.get_template("chapter.html.j2")
+        self.templates = {name: env.get_template(f"{name}.html.j2")
+                          for name in ("page", "chapter", "home")}
 
     # -- links: every relative href/src names a repository file; point it at that file's page
     def want(self, repo_path: str) -> None:
-        if repo_path not in self.done:
+        if repo_path not in self.done and (self.root / repo_path).is_file():
             self.done.add(repo_path)
             self.queue.append(repo_path)
 
@@ -225,13 +273,18 @@ class Site:
 
         return LINK.sub(one, text)
 
+    def inline(self, text: str, source: str) -> str:
+        """One line of Markdown as HTML, without the paragraph around it."""
+        html_text = markdown(text, self.formulas, source).strip()
+        return re.sub(r"\A<p>(.*)</p>\Z", r"\1", html_text, flags=re.S)
+
     def write(self, repo_path: str, title: str, body: str, chapter: Chapter = None) -> None:
         dest = site_path(repo_path)
         depth = dest.count("/")
         i = self.chapters.index(chapter) if chapter else -1
         pager = {"prev": self.chapters[i - 1] if i > 0 else None,
                  "next": self.chapters[i + 1] if 0 <= i < len(self.chapters) - 1 else None}
-        page = self.page_template.render(
+        page = self.templates["page"].render(
             course=COURSE, title=title, body=body, root="../" * depth, current=dest,
             chapters=self.chapters, site_path=site_path, **(pager if chapter else {}))
         # The template's links are repository paths too (chapters, LICENSE): relink them all.
@@ -240,29 +293,42 @@ class Site:
         self.pages.append(dest)
 
     # -- one writer per kind of file
+    def home(self) -> None:
+        """index.html: who the course is for, how to start, the path (from the notebooks)."""
+        rows = [{"chapter": c, "name": self.inline(c.name, c.path),
+                 "promise": self.inline(c.promise, c.path) if c.promise else ""}
+                for c in self.chapters]
+        docs = {name: (self.root / "docs" / f"{name}.md").is_file()
+                for name in ("handout", "workshop", "glossary", "cluster")}
+        docs["readme"] = (self.root / "README.md").is_file()
+        body = self.templates["home"].render(
+            course=COURSE, rows=rows, minutes=sum(c.minutes for c in self.chapters),
+            rate=chapter_meta.RATE, docs=docs)
+        self.write("index.html", COURSE, body)
+
     def notebook(self, chapter: Chapter) -> None:
         nb = nbformat.read(self.root / chapter.path, as_version=4)
         first = next((c for c in nb.cells if c.cell_type == "markdown"), None)
-        if first is not None:  # the page's own header shows the title and the diagram
-            first.source = re.sub(r"\A\s*#\s+.+\n?", "", first.source)
-            first.source = re.sub(r"!\[[^\]]*\]\(" + re.escape(os.path.relpath(
-                chapter.diagram, "notebooks")) + r"\)\n?", "", first.source)
+        if first is not None:  # the page's own header shows the title, diagram and labels
+            first.source = without_header(first.source, chapter)
         self.exporter.source = chapter.path  # the file each formula is reported in
         body, _ = self.exporter.from_notebook_node(nb)
         here = os.path.dirname(chapter.path)
-        header = self.chapter_template.render(
-            chapter=chapter, title=markdown(chapter.title, self.formulas, chapter.path)[3:-5],
+        header = self.templates["chapter"].render(
+            chapter=chapter, title=self.inline(chapter.title, chapter.path),
+            promise=self.inline(chapter.promise, chapter.path) if chapter.promise else "",
+            outcomes=[self.inline(o, chapter.path) for o in chapter.outcomes],
+            prerequisites=(self.inline(chapter.prerequisites, chapter.path)
+                           if chapter.prerequisites else ""),
+            rate=chapter_meta.RATE,
             diagram=os.path.relpath(chapter.diagram, here) if chapter.diagram else "",
-            summary=[markdown(s, self.formulas, "README.md").strip()[3:-4]
-                     for s in chapter.summary],
             exercises=[[os.path.relpath(p, here) if p else "" for p in pair]
                        for pair in chapter.exercises])
         self.write(chapter.path, chapter.plain_title, header + body, chapter)
 
     def markdown_file(self, repo_path: str) -> None:
         text = (self.root / repo_path).read_text(encoding="utf-8")
-        title = COURSE if repo_path == "README.md" else repo_path
-        self.write(repo_path, title, markdown(text, self.formulas, repo_path))
+        self.write(repo_path, repo_path, markdown(text, self.formulas, repo_path))
 
     def text_file(self, repo_path: str) -> None:
         text = (self.root / repo_path).read_text(encoding="utf-8")
@@ -291,7 +357,8 @@ class Site:
             + (f'<a href="{sol}">solution</a>' if sol else "") + "</td></tr>"
             for c in self.chapters for s, sol in c.exercises)
         body = ("<h1>Exercises</h1><p>Each starter has TODOs; its solution is the tested answer."
-                "</p><table><tr><th>chapter</th><th>starter</th><th>solution</th></tr>"
+                " Check yours with <code>make exercise EX=NN.k</code>.</p>"
+                "<table><tr><th>chapter</th><th>starter</th><th>solution</th></tr>"
                 f"{rows}</table>")
         self.write("exercises.html", "Exercises", body)
 
@@ -303,11 +370,12 @@ class Site:
         (self.out / "site.css").write_text(css)
         for image in sorted((self.root / "images").glob("*")):
             self.want(str(image.relative_to(self.root)))
-        for repo_path in ["README.md", "LICENSE", "CITATION.cff"] + [
+        for repo_path in ["README.md", "docs/handout.md", "LICENSE", "CITATION.cff"] + [
                 p for c in self.chapters for pair in c.exercises for p in pair if p]:
             self.want(repo_path)
         by_path = {c.path: c for c in self.chapters}
         self.done.update(by_path)
+        self.home()
         for chapter in self.chapters:
             self.notebook(chapter)
         self.exercises_page()
