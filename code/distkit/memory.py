@@ -443,7 +443,11 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
     layers' states and activations by t; pipeline parallelism (pp stages) the layers per rank,
     the root counted whole (a first or last stage holds part of it); `in_flight` micro-batches'
     activations live on the stage at once (1F1B: the first stage holds min(pp, micro-batches),
-    so L / pp layers x pp = the whole model's layers for one micro-batch).
+    so L / pp layers x pp = the whole model's layers for one micro-batch). Under pp > 1 FSDP2
+    keeps the stage gathered and its gradients unsharded from the first micro-batch to the
+    last (torchtitan: reshard_after_forward=False with PP; torch.distributed.pipelining's
+    stage.py: set_requires_gradient_sync(False) until its REDUCE_GRAD action), the gradients
+    accumulated in the reduce dtype (fp32; _fsdp_param.py, to_accumulated_grad_if_needed).
     Options that no simulation here checks (modelled from what they do, with pp and in_flight):
     - `sequence_parallel` (with t > 1: torchtitan's plan, SequenceParallel norms and a
       vocabulary-parallel embedding, LM head and loss): the root is split by t as well, with the
@@ -514,6 +518,10 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
     moments["root reduce-scatter"] = {  # the root's gradients, and their fp32 copy to reduce
         "Sharded Grad": L * layer * 4 // n, "Unsharded Grad": root * pb,
         "Temp": root * 4 if pb != 4 else 0}
+    if pp > 1:  # the stage stays gathered, its fp32 gradients unsharded, through the step
+        for v in moments.values():
+            v.update({"Unsharded Param": (root + L * layer) * pb, "All Gather": 0,
+                      "Reduce Scatter": 0, "Unsharded Grad": L * layer * 4})
     host = ("Sharded Param", "OptState", "Sharded Grad") if cpu_offload else ()
     totals = {k: sum(b for c, b in {**base, **v}.items() if c not in host)
               for k, v in moments.items()}

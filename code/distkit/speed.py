@@ -384,7 +384,7 @@ def step_time(config, layout: Layout, *, gpu: GPU, link: float, eta: float | Eff
     def coll(op, nbytes, ranks=s, node=per_node):
         return collective_time(op, nbytes, ranks, node, gpu.nvlink, link, fabric)
 
-    if s > 1:
+    if s > 1:  # (with pp > 1 these run once per optimizer step, below)
         gather_f = Lp * coll("all_gather", 2 * layer) + coll("all_gather", 2 * root)
         gather_b = Lp * coll("all_gather", 2 * layer)
         scatter = Lp * coll("reduce_scatter", 4 * layer) + coll("reduce_scatter", 4 * root)
@@ -422,9 +422,17 @@ def step_time(config, layout: Layout, *, gpu: GPU, link: float, eta: float | Eff
     micro_last = forward + backward_last + tp_s + p2p + mem["copies s"] + offload
     m = lay.accumulation
     if p > 1:  # 1F1B: m micro-batches through p stages take m + p - 1 slots
-        step = (m + p - 1) * micro + (micro_last - micro) + mem["optimizer s"]
+        # FSDP under PP gathers the stage once (behind the first micro-batch's forward) and
+        # reduce-scatters once, after the last backward (torchtitan: reshard_after_forward=False
+        # with PP; pipelining's REDUCE_GRAD action), all-reducing across replicas with it
+        micro = compute_f + compute_b + tp_s + p2p
+        exposed = max(0.0, comm_f - compute_f) + first + scatter + hsdp
+        step = (m + p - 1) * micro + exposed + mem["copies s"] + mem["optimizer s"] + offload
         bubble = (p - 1) * micro
+        copies = mem["copies s"]  # one gather and one reduce-scatter per step
     else:
+        exposed = m * (forward + backward - compute_f - compute_b) + (backward_last - backward)
+        copies, offload = m * mem["copies s"], m * offload
         step = (m - 1) * micro + micro_last + mem["optimizer s"]
         bubble = 0.0
     compute = m * (compute_f + compute_b)
@@ -432,11 +440,10 @@ def step_time(config, layout: Layout, *, gpu: GPU, link: float, eta: float | Eff
     tps = tokens / step / lay.gpus
     return {"step s": step, "micro-step s": micro, "compute s": compute,
             "forward compute s": compute_f, "backward compute s": compute_b,
-            "fsdp comm s": m * (comm_f + comm_b), "fsdp exposed s":
-                m * (forward + backward - compute_f - compute_b) + (backward_last - backward),
-            "hsdp all-reduce s": hsdp, "tp comm s": m * tp_s, "pp bubble s": bubble,
-            "p2p s": m * p2p, "copies s": m * mem["copies s"],
-            "optimizer s": mem["optimizer s"], "offload s": m * offload,
+            "fsdp comm s": (comm_f + scatter if p > 1 else m * (comm_f + comm_b)),
+            "fsdp exposed s": exposed, "hsdp all-reduce s": hsdp, "tp comm s": m * tp_s,
+            "pp bubble s": bubble, "p2p s": m * p2p, "copies s": copies,
+            "optimizer s": mem["optimizer s"], "offload s": offload,
             "tokens/step": tokens, "tokens/s/GPU": tps, "eta": eta,
             "mfu": flops_per_token(config, lay.seq) * tps / gpu.peak, "hardware flops": flops}
 
