@@ -43,8 +43,9 @@ CASES = {
                   ["[rank 1] slept 0.3 s; left only after the last rank arrived: True\n",
                    "smoke test: 2 ranks, timeout 30 s\n", "timed out after 5000ms\n",
                    '+        print0(f"{schedule_name:5s} epoch {epoch}")\n']),
-    "rates": (("bus bandwidth 3.25 GB/s\n", "bus bandwidth RATE\n"),
-              ["batch of 3 GB\n"]),
+    "rates": (("bus bandwidth 3.25 GB/s, 1.631GB/s\n", "bus bandwidth RATE, RATE\n"),
+              ["batch of 3 GB\n", "H100 SXM  989 TFLOP/s, NVLink 450 GB/s each way\n",
+               "IB NDR / RoCE 400G    50 GB/s each way per GPU\n", "HBM 3.4 TB/s\n"]),
 }
 
 
