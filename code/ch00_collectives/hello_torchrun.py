@@ -65,7 +65,10 @@ if args.ports and rank == 0:
     agent = psutil.Process(os.getppid())  # the torchrun agent started this worker
     ports = sorted({c.laddr.port for c in agent.net_connections("tcp")
                     if c.status == psutil.CONN_LISTEN})
-    print(f"torchrun (pid {agent.pid}) listens on TCP ports {ports}; "
-          f"MASTER_PORT={os.environ['MASTER_PORT']}", flush=True)
+    master = int(os.environ["MASTER_PORT"])
+    print(f"torchrun's agent listens on {len(ports)} TCP ports: MASTER_PORT={master} (the "
+          f"workers' store: {master in ports}), "
+          + ", ".join(f"port {p}" for p in ports if p != master) + " (the rendezvous store)",
+          flush=True)
 dist.barrier()  # leave together: nobody closes connections a peer is still using
 dist.destroy_process_group()

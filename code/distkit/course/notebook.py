@@ -75,7 +75,8 @@ def _relative(text: str) -> str:
 def launch(nproc: int, script: str, *args, ranks: str | None = None,
            env: dict | None = None, expect_failure: bool = False,
            short_tracebacks: bool = False, stop_when=None,
-           stacks_when: str | None = None, limit: float | None = None) -> int | None:
+           stacks_when: str | None = None, limit: float | None = None,
+           hide_output: str | None = None) -> int | None:
     """Run `code/run_w_torchrun.sh NPROC SCRIPT ARGS...` and stream its output.
 
     Raises LaunchFailed (a CalledProcessError whose message ends with the output's last lines)
@@ -97,6 +98,9 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     if it still runs then, and raise TimeoutExpired: a demo of a failure may not hang the notebook.
     Interrupting the kernel stops the launch the same way and ends the cell with one line
     ("interrupted: stopped 2 ranks"), raised as `Interrupted`, a KeyboardInterrupt.
+    `hide_output` (a sentence): show the command, then this sentence instead of the output (a
+    solution whose output answers an exercise: the cell checks it without spoiling it); a
+    failure still raises LaunchFailed with the output's last lines.
     """
     cmd = [str(LAUNCHER), str(nproc), script, *map(str, args)]
     launch.count += 1
@@ -133,7 +137,7 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
                 if in_traceback and (text.startswith(("Traceback", " ")) or not text.strip()):
                     continue  # a frame of the traceback
                 in_traceback = False
-            if not expect_failure:
+            if not expect_failure and hide_output is None:
                 print(_relative(line), end="", flush=True)
         status = proc.wait()
     except KeyboardInterrupt:  # the kernel was interrupted: stop every rank, say so in one line
@@ -162,6 +166,8 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
               + f"=> failed with exit status {status}, as expected")
     elif status and not (stop_when is not None and status == 128 + signal.SIGTERM):
         raise LaunchFailed(status, cmd, "".join(lines))
+    elif hide_output is not None:
+        print(hide_output, flush=True)
     return status if stop_when is not None else None
 
 
@@ -421,3 +427,131 @@ def show_source(script: str, name: str | None = None):
     from IPython.display import Code
     text = source_of(script, name) if name else (CODE / script).read_text()
     return Code(text, language="python")
+
+
+# --- Chapter 00's checks: what its cells assert, in one call each ---------------------------
+
+def collective_definitions(n: int) -> dict:
+    """What each collective of collectives.py leaves on every rank, written as list operations on
+    the ranks' inputs with no communication: rank r's input is [10r, 10r + 1, ..., 10r + n-1]."""
+    x = [[10 * r + j for j in range(n)] for r in range(n)]  # rank r's input
+    total = [sum(col) for col in zip(*x)]                    # element-wise sum over the ranks
+    flat = [v for row in x for v in row]                     # every rank's x, concatenated
+    return {
+        "broadcast": [x[0]] * n,                             # rank 0's x everywhere
+        "scatter": [[x[0][r]] for r in range(n)],            # element r of rank 0's x to rank r
+        "reduce": [total],                                   # rank 0; the others: undefined
+        "gather": [flat] + x[1:],                            # rank 0 gets all; the rest keep theirs
+        "all_reduce": [total] * n,
+        "all_gather": [flat] * n,
+        "reduce_scatter": [[total[r]] for r in range(n)],    # slice r of the sum to rank r
+        "all_to_all": [[x[src][r] for src in range(n)] for r in range(n)],  # a transpose
+        "send_recv": [x[0], x[0]] + x[2:],                   # rank 1 receives rank 0's x
+        "barrier": [[1]] * n,                                # 1: left after the last arrival
+    }
+
+
+def check_collectives(*paths) -> None:
+    """Every result of collectives.py's JSON files against collective_definitions (only the
+    root's buffer after `reduce`: the others are undefined); raises on the first mismatch."""
+    import json
+    checked, sizes = 0, []
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        want = collective_definitions(run["world_size"])
+        sizes.append(run["world_size"])
+        for op, res in run["ops"].items():
+            got = res["after"][:1] if op == "reduce" else res["after"]
+            assert got == want[op], f"{op} on {run['world_size']} ranks: {got} != {want[op]}"
+            checked += 1
+    print(f"{checked} results on N = {' and '.join(map(str, sorted(set(sizes))))} ranks match "
+          "plain Python")
+
+
+def check_ring_bytes(runs: dict) -> None:
+    """ring_allreduce.py's byte counts (`runs`: N -> its JSON): each rank's count = the exact
+    formula for tensor_split's chunks, their total = 2(N-1)S exactly, each within two float32
+    elements of 2(N-1)/N S; and the result = dist.all_reduce's. One line per N."""
+    for n, ring in sorted(runs.items()):
+        S, sent, approx = ring["bytes"], ring["sent"], ring["approx_sent"]
+        assert sent == ring["exact_sent"], (n, sent, ring["exact_sent"])
+        assert sum(sent) == 2 * (n - 1) * S, (n, sum(sent), S)
+        near = all(abs(s - approx) < 2 * 4 for s in sent)
+        assert near and ring["max_diff_below_1e-5"], (n, sent, approx)
+        print(f"N={n}: S = {S:,} B; per rank {min(sent) / S:.3f} S = 2(N-1)/N S within 2 "
+              f"elements: {near}; exact formula: True; total {sum(sent):,} = 2(N-1)S: True")
+
+
+def check_async(res: dict, min_bytes: int = 2**20) -> None:
+    """What async_collectives.py's run must show on any machine (its JSON): on gloo, a message of
+    at least `min_bytes` is not finished right after the call (its bytes take milliseconds to
+    move; the check costs microseconds) and is finished after wait(); on every backend it is
+    finished after a device sync, and the sum is right. And on gloo, with a sleep as the other
+    work (it needs no CPU), overlapping beats one-after-the-other (medians of many rounds)."""
+    gloo, n = res["backend"] == "gloo", res["world_size"]
+    order_checked = gloo and res["bytes"] >= min_bytes
+    for r, c in enumerate(res["checks"]):
+        start = c["completed_at_start"] if order_checked else "not checked (small or NCCL)"
+        print(f"rank {r}: is_completed() right after the call: {start}; after wait(): "
+              f"{c['completed_after_wait']}; after a device sync: {c['completed_after_sync']}; "
+              f"x == 1+2+...+N = {n * (n + 1) // 2}: {c['correct']}")
+        # gloo's wait() blocks until the work is done; NCCL's only makes the CUDA stream wait
+        assert c["completed_after_sync"] and c["correct"]
+        assert c["completed_after_wait"] or not gloo
+        assert not (order_checked and c["completed_at_start"]), \
+            f"rank {r}: a {res['bytes']:,}-byte all_reduce finished before is_completed() asked"
+    if gloo:  # on NCCL even the blocking all_reduce leaves the CPU free: no order to check
+        t = res["times"]
+        hid = t["sleep during all_reduce"] < t["all_reduce, then sleep"]
+        print(f"sleep during the all_reduce took less than all_reduce, then sleep: {hid}")
+        assert hid, t
+
+
+# --- Chapter 01's checks ------------------------------------------------------------------------
+
+def check_ddp_memory(mem: dict, shares: dict) -> None:
+    """ddp_memory.py's bytes per rank (its JSON) for each share of the global batch (`shares`:
+    sequences per rank -> the N that gives it): every rank measured the same bytes, AdamW's state
+    is 8 bytes per parameter plus a 4-byte step counter per tensor; one line per setting, then
+    the peak activations per rank at each share."""
+    psi = mem["num_params"]
+    cats = [("params", "parameters"), ("grads_and_buckets", "gradients + buckets"),
+            ("optimizer", "AdamW state")]
+    for b, n in shares.items():
+        for view in ("False", "True"):
+            m = mem["settings"][str(b)][view]
+            assert all(len(set(m[c])) == 1 for c, _ in cats)  # every rank measured the same
+            assert m["optimizer"][0] == 8 * psi + 4 * m["num_tensors"][0]  # + step counters
+            total = sum(m[c][0] for c, _ in cats)
+            print(f"{b} sequences/rank (N={n}), gradient_as_bucket_view={view:5}: " + ", ".join(
+                f"{label} {m[c][0]:,} B" for c, label in cats) + f"  = {total / psi:.2f} B/param")
+    (b0, n0), (b1, n1) = list(shares.items())[:2]
+    act = [mem["settings"][str(b)]["False"]["peak_activations"][0] for b in (b0, b1)]
+    print(f"peak activations per rank, N={n0} -> N={n1} ({b0} -> {b1} sequences per rank): "
+          f"{act[0]:,} -> {act[1]:,} B (x{act[1] / act[0]:.2f})")
+
+
+def check_overlap_solution(ov: dict, loss_tol: float) -> None:
+    """Exercise 01.2's solution (ex01_overlap.py's JSON), without printing its answers: every
+    mode trains like one process, all-reduces every gradient byte once per step, with the
+    solution's counts (flat 1, per-param one per tensor, bucketed one per bucket, each bucket but
+    the last at least --bucket-mb), and per-param and bucketed launch every call during backward,
+    flat none; every call is launched, done and finished in that order."""
+    modes, n = ov["modes"], ov["num_param_tensors"]
+    for mode, r in modes.items():
+        assert len(r["losses"]) == len(ov["single_losses"]) == ov["steps"], mode
+        assert r["max_loss_diff"] < loss_tol and r["max_grad_diff"] < 1e-5, mode
+        assert r["max_weight_diff"] < 1e-4, mode
+        assert set(r["bytes_per_step"]) == {ov["grad_bytes"]}, mode
+        during = {c["launched"] < s["backward_end"] for s in r["steps"] for c in s["calls"]}
+        assert during == ({False} if mode == "flat" else {True}), (mode, during)
+        assert all(0 <= c["launched"] <= c["done"] <= s["finished"]
+                   for s in r["steps"] for c in s["calls"]), mode
+    buckets = modes["bucketed"]["buckets"]
+    assert set(modes["flat"]["calls_per_step"]) == {1}
+    assert set(modes["per-param"]["calls_per_step"]) == {n}
+    assert set(modes["bucketed"]["calls_per_step"]) == {len(buckets)} and 1 < len(buckets) < n
+    assert sum(buckets) == ov["grad_bytes"] and sum(modes["bucketed"]["bucket_tensors"]) == n
+    assert all(b >= ov["bucket_mb"] * 2**20 for b in buckets[:-1])  # closed once at the cap
+    print(f"exercise 01.2's solution, {', '.join(modes)}: each = one process, every gradient byte "
+          "all-reduced once per step, its calls counted and ordered as the answers say: True")

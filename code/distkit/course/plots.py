@@ -309,3 +309,146 @@ def plot_peaks(results: dict, configs: list[str], ax=None):
     ax.tick_params(axis="x", rotation=20)
     ax.grid(axis="y", alpha=0.3)
     return ax
+
+
+def plot_ring_bytes(runs: dict, ax=None):
+    """Chapter 00: bytes each rank of the hand-written ring sent, over S, for each N
+    (`runs`: N -> ring_allreduce.py's JSON), against 2(N-1)/N."""
+    import numpy as np
+    ax = ax or plt.subplots(figsize=(6.5, 3.4))[1]
+    ticks, labels = [], []
+    for i, (n, ring) in enumerate(sorted(runs.items())):
+        S, sent = ring["bytes"], np.array(ring["sent"])
+        xs = len(ticks) + i + np.arange(n)  # one gap between the groups
+        ax.bar(xs, sent / S, color=f"C{i}", label=f"measured, N={n}")
+        ax.hlines(ring["approx_sent"] / S, xs[0] - 0.4, xs[-1] + 0.4, color="black",
+                  linestyle="--", label="2(N-1)/N" if i == 0 else None)
+        ticks += list(xs)
+        labels += [f"N={n}\nrank {r}" if n <= 4 else f"r{r}" for r in range(n)]
+    ax.set_xticks(ticks, labels, fontsize=8)
+    ax.set_ylabel("bytes sent / S")
+    ax.set_title(f"Ring all-reduce of S = {S / 1e6:.0f} MB: bytes each rank sent")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.figure.tight_layout()
+    return ax
+
+
+def plot_allreduce_times(bench: dict, ax=None) -> dict:
+    """Chapter 00: all_reduce time against message size (allreduce_bench.py's JSON): the median
+    with the middle half of the calls, the fastest and the slowest call per size, and a fit
+    T = a + b S to the fastest calls, whose latency a and bus bandwidth B = 2(N-1)/N / b the
+    legend gives. Returns {"a": seconds, "B": bytes/s}."""
+    import numpy as np
+    ax = ax or plt.subplots(figsize=(6.5, 4))[1]
+    n, S = bench["world_size"], np.array(bench["sizes"])
+    T = np.array(bench["samples"])  # T[i, k]: call k at size i, seconds
+    fastest, q1, median, q3, slowest = np.percentile(T, [0, 25, 50, 75, 100], axis=1)
+    b, a = np.polyfit(S, fastest, 1, w=1 / fastest)  # relative weights: small sizes count too
+    B = 2 * (n - 1) / n / b
+    ax.errorbar(S, median * 1e3, yerr=[(median - q1) * 1e3, (q3 - median) * 1e3], fmt="o",
+                capsize=3, label=f"median; bars: middle half of {T.shape[1]} calls")
+    ax.loglog(S, fastest * 1e3, "v-", color="C1", label="fastest call")
+    ax.loglog(S, slowest * 1e3, "^:", color="C3", alpha=0.6, label="slowest call")
+    ax.loglog(S, (a + b * S) * 1e3, "--", color="gray",
+              label=f"fit a + b·S to the fastest: a = {a * 1e6:.0f} µs, B = {B / 1e9:.2f} GB/s")
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel("all_reduce time (ms)")
+    where = "CPU/gloo: not NVLink or InfiniBand" if bench["backend"] == "gloo" else bench["backend"]
+    ax.set_title(f"all_reduce on {n} processes ({where}; a recorded run)", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.figure.tight_layout()
+    return {"a": a, "B": B}
+
+
+def _hidden(share: float) -> str:
+    """How much of what overlap could hide it did hide, in words: above 90 % the measured share
+    is noise around 'all' (each variant's median comes from its own rounds), below 0 it cost."""
+    if share >= 0.9:
+        return "hid about all it could"
+    return f"hid {share:.0%} of what it could" if share > 0 else "hid nothing: it cost time"
+
+
+def plot_overlap(res: dict, ax=None):
+    """Chapter 00: the all-reduce and two kinds of other work, alone, one after the other and
+    overlapped (async_collectives.py's JSON, medians of the slowest rank), with what overlap hid
+    for each kind of work."""
+    t = res["times"]
+    ax = ax or plt.subplots(figsize=(6.5, 3.2))[1]
+    color = lambda k: ("C7" if "then" in k else "C2" if "during" in k
+                       else "C0" if k == "all_reduce" else "C1")
+    ax.barh(list(t)[::-1], [v * 1e3 for v in t.values()][::-1], color=[color(k) for k in t][::-1])
+    for work in ("matmuls", "sleep"):
+        sequential, overlapped = t[f"all_reduce, then {work}"], t[f"{work} during all_reduce"]
+        perfect = max(t["all_reduce"], t[work])  # the shorter one hidden entirely
+        y = list(t)[::-1].index(f"{work} during all_reduce")
+        text = (_hidden((sequential - overlapped) / (sequential - perfect))
+                if sequential > perfect else "nothing to hide (noise)")
+        ax.text(overlapped * 1e3, y, f"  {text}", va="center", fontsize=8)
+    ax.set_xlim(0, 1.6 * max(t.values()) * 1e3)
+    ax.set_xlabel("time (ms): median of rounds, slowest rank")
+    where = "CPU/gloo" if res["backend"] == "gloo" else res["backend"]
+    ax.set_title(f"all_reduce of {res['bytes'] / 2**20:.3g} MiB and other work on "
+                 f"{res['world_size']} processes ({where}, a recorded run)", fontsize=10)
+    ax.figure.tight_layout()
+    return ax
+
+
+def plot_bucket_overlap(buckets: dict, cap_mb: float, step: int, ax=None):
+    """Chapter 01: one DDP step's bucket all-reduces on rank 0's host clock against backward's
+    computation (ddp_buckets.py's JSON, the setting with this bucket_cap_mb and
+    find_unused_parameters=False), then a table of every such setting's medians after the
+    rebuild: communication, the share that fell before backward's computation ended (hidden),
+    and the time backward() then still waited (exposed). Host clocks: right for gloo only."""
+    import numpy as np
+    from distkit.ddp import overlap
+    setting = next(s for s in buckets["settings"] if s["cap_mb"] == cap_mb and not s["find_unused"])
+    start, end = setting["backwards"][step]
+    calls = [c for c in setting["calls"] if c["backward"] == step]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.32 * len(calls) + 1.6))
+    ax.barh(len(calls), (end - start) * 1e3, left=0, color="C0", label="backward computation")
+    for i, c in enumerate(calls):
+        ax.barh(len(calls) - 1 - i, (c["end"] - c["start"]) * 1e3, left=(c["start"] - start) * 1e3,
+                color="C1", label="all-reduce of one bucket" if i == 0 else None)
+    ax.axvline((end - start) * 1e3, color="C0", ls=":", lw=1)
+    names = [f"bucket {c['bucket']} ({c['bytes'] // 1024} KiB)" for c in calls]
+    ax.set_yticks([len(calls)] + [len(calls) - 1 - i for i in range(len(calls))],
+                  ["backward"] + names)
+    clock = "CPU/gloo" if buckets["backend"] == "gloo" else "host clock: launches, not transfers"
+    ax.set_xlabel(f"ms since backward started (rank 0, {clock}; a recorded run)")
+    ax.set_title(f"Step {step + 1}, bucket_cap_mb={cap_mb}: all-reduces launched during backward")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.figure.tight_layout()
+    plt.show()
+    print(f"{'bucket_cap_mb':>13} {'calls':>5} {'backward ms':>11} {'comm ms':>8} {'hidden':>7} "
+          f"{'exposed ms':>10} {'backward + exposed':>18}")
+    for s in (s for s in buckets["settings"] if not s["find_unused"]):
+        o = [overlap(s, b) for b in range(1, len(s["buckets_per_step"]))]  # after the rebuild
+        med = {k: float(np.median([x[k] for x in o]))
+               for k in ("backward", "comm", "hidden", "exposed")}
+        print(f"{s['cap_mb']:>13} {o[0]['calls']:>5} {med['backward'] * 1e3:>11.1f} "
+              f"{med['comm'] * 1e3:>8.1f} {med['hidden'] / med['comm']:>7.0%} "
+              f"{med['exposed'] * 1e3:>10.1f} {(med['backward'] + med['exposed']) * 1e3:>18.1f}")
+
+
+MEMORY_CATEGORIES = [("params", "parameters"), ("grads_and_buckets", "gradients + buckets"),
+                     ("optimizer", "AdamW state")]
+
+
+def plot_ddp_memory(mem: dict, batch: int, ax=None):
+    """Chapter 01: DDP's model states per rank in bytes per parameter (ddp_memory.py's JSON, rank
+    0, `batch` sequences per rank), with and without gradient_as_bucket_view, beside 4 + 4 + 8."""
+    import numpy as np
+    ax = ax or plt.subplots(figsize=(8, 3.6))[1]
+    psi = mem["num_params"]
+    for j, view in enumerate(("False", "True")):
+        m = mem["settings"][str(batch)][view]
+        ax.bar(np.arange(3) + 0.27 * j - 0.27, [m[c][0] / psi for c, _ in MEMORY_CATEGORIES],
+               0.27, label=f"measured, gradient_as_bucket_view={view}")
+    ax.bar(np.arange(3) + 0.27, [4, 4, 8], 0.27, color="0.6", label="formula 4 + 4 + 8")
+    ax.set_xticks(range(3), [label for _, label in MEMORY_CATEGORIES])
+    ax.set_ylabel("bytes per parameter, per rank")
+    ax.set_title(f"DDP model states per rank ({batch} sequences each)")
+    ax.legend(fontsize=8)
+    ax.figure.tight_layout()
+    return ax
