@@ -51,6 +51,8 @@ class Run:
 # One registry: what each chapter's GPU path is, at the smallest size that still runs it.
 RUNS = [
     Run("ch00 hello", 0, "ch00_collectives/hello_torchrun.py"),
+    # the chapter's first script: NCCL and set_device(LOCAL_RANK) by itself, without distkit
+    Run("ch00 first script", 0, "ch00_collectives/hello.py", expect="all_reduce gave"),
     Run("ch00 collectives", 2, "ch00_collectives/collectives.py", ("--json", "{out}/c.json"),
         expect="c.json", fit=False),  # a collective needs someone to talk to
     Run("ch00 allreduce bandwidth", 0, "ch00_collectives/allreduce_bench.py",
