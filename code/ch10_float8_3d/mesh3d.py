@@ -112,9 +112,10 @@ for step in range(2):
     ref_opt.zero_grad()
 built = startup()
 
-# The 3-D layout: pp, then tp inside each layer, then FSDP over dp.
-model = build()
 first, last = split_layers(args.layers, args.pp)[pp_rank]
+per_dp = args.batch_size // args.dp
+batch = tokens[dp_rank * per_dp:(dp_rank + 1) * per_dp]  # this dp rank's slice
+ref_weights = dict(reference.named_parameters())
 
 
 def full_name(name: str) -> str:
@@ -128,62 +129,74 @@ def full_name(name: str) -> str:
     return f"{owner}.{rest}"
 
 
-stage_module = LlamaStage(model, first, last)           # 1. pp: this stage's layers only
-for layer in stage_module.layers:
-    parallelize_module(layer, mesh["tp"], layer_plan("megatron"))  # 2. tp
-    fully_shard(layer, mesh=mesh["dp"])                             # 3. FSDP over dp
-fully_shard(stage_module, mesh=mesh["dp"])  # the stage's root: embedding / norm and head
-stage = PipelineStage(stage_module, pp_rank, args.pp, env.device,
-                      group=mesh.get_group("pp"))        # 4. the pipeline, over pp
-schedule = get_schedule_class(args.schedule)(stage, n_microbatches=args.microbatches,
-                                             loss_fn=lm_loss)
-optimizer = adamw(stage_module.parameters())
-per_dp = args.batch_size // args.dp
-batch = tokens[dp_rank * per_dp:(dp_rank + 1) * per_dp]  # this dp rank's slice
+def train_3d(reshard_after_forward: bool) -> dict:
+    """The 3-D layout, two AdamW steps: this rank's losses, its errors against the reference,
+    and the collectives of step 2 by mesh dimension."""
+    model = build()
+    stage_module = LlamaStage(model, first, last)           # 1. pp: this stage's layers only
+    for layer in stage_module.layers:
+        parallelize_module(layer, mesh["tp"], layer_plan("megatron"))  # 2. tp
+        fully_shard(layer, mesh=mesh["dp"],                             # 3. FSDP over dp
+                    reshard_after_forward=reshard_after_forward)
+    fully_shard(stage_module, mesh=mesh["dp"],  # the stage's root: embedding / norm and head
+                reshard_after_forward=reshard_after_forward)
+    stage = PipelineStage(stage_module, pp_rank, args.pp, env.device,
+                          group=mesh.get_group("pp"))        # 4. the pipeline, over pp
+    schedule = get_schedule_class(args.schedule)(stage, n_microbatches=args.microbatches,
+                                                 loss_fn=lm_loss)
+    optimizer = adamw(stage_module.parameters())
+    losses, grad_err, log = [], [], MeshLog()
+    for step in range(2):
+        mb_losses = []
+        inputs = (batch,) if pp_rank == 0 else ()
+        labels = dict(target=batch, losses=mb_losses) if pp_rank == args.pp - 1 else {}
+        with log if step == 1 else nullcontext():  # step 2's traffic
+            schedule.step(*inputs, **labels)
+        # the step's loss: mean over micro-batches, then over the dp ranks (last stage only)
+        mine = torch.stack(mb_losses).mean() if mb_losses else torch.zeros((), device=env.device)
+        dist.all_reduce(mine)  # the last stage's dp x tp ranks each hold one dp slice's loss
+        losses.append(mine.item() / (args.dp * args.tp))
+        err = 0.0
+        for name, p in stage_module.named_parameters():  # full_tensor(): over the (dp, tp) ranks
+            full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            err = max(err, (full - ref_grads[step][full_name(name)]).abs().max().item())
+        grad_err.append(err)
+        optimizer.step()
+        optimizer.zero_grad()
+    weight_err = max((p.full_tensor() if isinstance(p, DTensor) else p)
+                     .sub(ref_weights[full_name(n)]).abs().max().item()
+                     for n, p in stage_module.named_parameters())
+    return {"losses": losses, "grad_err": max(grad_err), "weight_err": weight_err,
+            "collectives": [[op, dim, n, b] for (op, dim), (n, b) in
+                            sorted(by_mesh_dim(log.collectives, mesh).items())]}
 
-losses, grad_err, log = [], [], MeshLog()
-for step in range(2):
-    mb_losses = []
-    inputs = (batch,) if pp_rank == 0 else ()
-    labels = dict(target=batch, losses=mb_losses) if pp_rank == args.pp - 1 else {}
-    with log if step == 1 else nullcontext():  # step 2's traffic
-        schedule.step(*inputs, **labels)
-    # the step's loss: mean over micro-batches here, then over the dp ranks (last stage only)
-    mine = torch.stack(mb_losses).mean() if mb_losses else torch.zeros((), device=env.device)
-    dist.all_reduce(mine)  # the last stage's dp x tp ranks each hold one dp slice's loss
-    losses.append(mine.item() / (args.dp * args.tp))
-    err = 0.0
-    for name, p in stage_module.named_parameters():  # full_tensor(): over the (dp, tp) ranks
-        full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        err = max(err, (full - ref_grads[step][full_name(name)]).abs().max().item())
-    grad_err.append(err)
-    optimizer.step()
-    optimizer.zero_grad()
-ref_weights = dict(reference.named_parameters())
-weight_err = max((p.full_tensor() if isinstance(p, DTensor) else p)
-                 .sub(ref_weights[full_name(n)]).abs().max().item()
-                 for n, p in stage_module.named_parameters())
 
-# every rank's numbers, to rank 0
-mine = {"coord": {"pp": pp_rank, "dp": dp_rank, "tp": mesh.get_local_rank("tp")},
-        "grad_err": max(grad_err), "weight_err": weight_err,
-        "collectives": [[op, dim, n, b] for (op, dim), (n, b) in
-                        sorted(by_mesh_dim(log.collectives, mesh).items())],
-        "startup": {"imported": imported, "joined": joined, "meshed": meshed, "built": built},
-        "first_collective": first_collective}
-everyone = [None] * env.world_size
-dist.all_gather_object(everyone, mine)
-loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
-parity = {"loss": loss_err, "grad": max(r["grad_err"] for r in everyone),
-          "weight": max(r["weight_err"] for r in everyone)}
+# torchtitan's choice under a pipeline first (reshard_after_forward=False: "to avoid
+# per-microbatch all-gathers", parallelize_llama.py), then FSDP2's default (True)
+runs = {"never": train_3d(False), "always": train_3d(True)}
+coord = {"pp": pp_rank, "dp": dp_rank, "tp": mesh.get_local_rank("tp")}
+everyone = [None] * env.world_size  # every rank's numbers, to rank 0
+dist.all_gather_object(everyone, {
+    "coord": coord, "runs": runs, "first_collective": first_collective,
+    "startup": {"imported": imported, "joined": joined, "meshed": meshed, "built": built}})
 print0(f"mesh (pp {args.pp}, dp {args.dp}, tp {args.tp}) = {env.world_size} ranks; "
        f"{args.layers} layers, {args.schedule} with {args.microbatches} micro-batches per dp rank")
-for what, err in parity.items():
-    print0(f"{what:6s} after 2 AdamW steps = one process (< {TOL[what]:g}): {err < TOL[what]}")
-print0("step 2, rank 0: " + ", ".join(f"{n} {op} over {dim}" for op, dim, n, _ in
-                                       everyone[0]["collectives"]))
+results = {}
+for name in runs:
+    parity = {"loss": max(abs(a - b) for a, b in zip(runs[name]["losses"], ref_losses)),
+              "grad": max(r["runs"][name]["grad_err"] for r in everyone),
+              "weight": max(r["runs"][name]["weight_err"] for r in everyone)}
+    results[name] = {"parity": parity,
+                     "collectives": [r["runs"][name]["collectives"] for r in everyone]}
+    ok = all(parity[w] < TOL[w] for w in parity)
+    print0(f"reshard_after_forward {name:6s}: losses, gradients and weights after 2 AdamW "
+           f"steps = one process: {ok}; step 2 on rank 0: " + ", ".join(
+               f"{n} {op} over {dim}" for op, dim, n, _ in everyone[0]["runs"][name]
+               ["collectives"]))
 write_json(args.json, {"pp": args.pp, "dp": args.dp, "tp": args.tp, "layers": args.layers,
                        "schedule": args.schedule, "microbatches": args.microbatches,
-                       "batch": args.batch_size, "losses": losses, "reference": ref_losses,
-                       "parity": parity, "tolerance": TOL, "ranks": everyone})
+                       "batch": args.batch_size, "reference": ref_losses, "tolerance": TOL,
+                       "losses": {n: r["losses"] for n, r in runs.items()}, "runs": results,
+                       "ranks": [{k: r[k] for k in ("coord", "startup", "first_collective")}
+                                 for r in everyone]})
 teardown()
