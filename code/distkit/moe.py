@@ -1,0 +1,154 @@
+"""Mixture of experts by hand: routing, a grouped GEMM over the experts, expert parallelism.
+
+A mixture-of-experts (MoE) layer replaces a transformer's MLP by E expert MLPs and a router.
+The router scores every token against every expert, keeps the top k, and the token's output is
+the weighted sum of those k experts' outputs: each token pays for k experts, the model holds E.
+Here, as in transformers' Mixtral (models/mixtral/modeling_mixtral.py, transformers 5.23):
+- `route`: softmax over the E router logits in float32, top k, the k weights renormalised to
+  sum to 1 (MixtralTopKRouter);
+- `grouped_experts`: the experts' weights are 3-D tensors, gate_up (E, 2I, H) and down
+  (E, H, I) (MixtralExperts); the (token, expert) pairs are sorted by expert so that each
+  expert's rows are contiguous, and one grouped GEMM (F.grouped_mm) multiplies every group of
+  rows by its own expert's matrix: the op torchtitan and transformers' "grouped_mm" experts use;
+- `ExpertParallel`: expert parallelism (EP). Each of N ranks holds E/N experts and routes its
+  own tokens; one all-to-all tells every rank how many rows it will receive per expert (the
+  host reads those counts: the one synchronisation of the layer), a second sends each pair's
+  hidden state to the rank of its expert (uneven splits), the local experts run, a third brings
+  the outputs back, and `combine` undoes the sort and weights by the router. The all-to-alls
+  are torch's differentiable ones, so the backward sends the gradients the same way in reverse.
+  The same steps as transformers' AllToAllEP (transformers/distributed/expert_parallel.py) and
+  torchtitan's expert-parallel MoE.
+And the bookkeeping of an MoE: `expert_load`, `capacity` and `dropped` (a capacity factor caps
+each expert's rows; GShard, Switch Transformer) and `load_balancing_loss` (Switch Transformer's
+auxiliary loss, as transformers computes it).
+
+F.grouped_mm on a CPU (torch 2.13) takes float32 or bfloat16, not float64; and its backward
+refuses an incoming gradient with zero strides, such as `.sum()` produces (use a real loss).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+
+def route(x, router_weight, top_k: int):
+    """(logits (T, E), weights (T, k), experts (T, k)): the router's scores, and per token the
+    k chosen experts and their weights (softmax over all E, top k, renormalised)."""
+    logits = F.linear(x, router_weight)
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    return logits, (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype), experts
+
+
+def grouped_experts(x, counts, gate_up, down):
+    """SwiGLU experts on rows grouped by expert: rows 0 .. counts[0]-1 go to expert 0, the next
+    counts[1] to expert 1, ... (a count may be 0). gate_up (E, 2I, H), down (E, H, I), laid out
+    as transformers' MixtralExperts stores them (each a linear layer's weight: out x in)."""
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # where each expert's rows end
+    gate, up = F.grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    return F.grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
+
+
+def sort_by_expert(experts, num_experts: int):
+    """The (token, slot) pairs sorted by expert: (order, counts). order[i] = the flat index
+    t * k + slot of the i-th pair (its token is order[i] // k); counts[e] = pairs for expert e."""
+    flat = experts.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    return torch.argsort(flat, stable=True), counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def combine(expert_out, order, weights):
+    """Expert outputs of the sorted pairs -> each token's output: put every pair back at its
+    (token, slot) place (undo the sort), weight by the router and sum over the k slots."""
+    tokens, k = weights.shape
+    pairs = torch.empty_like(expert_out)
+    pairs[order] = expert_out
+    return (pairs.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+def moe(x, router_weight, gate_up, down, top_k: int):
+    """One MoE layer in one process: route, sort by expert, grouped GEMM, combine."""
+    _, weights, experts = route(x, router_weight, top_k)
+    order, counts = sort_by_expert(experts, gate_up.shape[0])
+    return combine(grouped_experts(x[order // top_k], counts, gate_up, down), order, weights)
+
+
+class ExpertParallel:
+    """`experts`' weights (its gate_up_proj and down_proj, read at each call: FSDP may swap
+    them) are this rank's E/N of `num_experts` experts, rank r holding experts r E/N ...
+    (r+1) E/N - 1, the other ranks of `group` the others. Call it with this rank's tokens and
+    their routing (weights, experts: (T, k)); returns their outputs (T, H). `self.stats` keeps
+    the last call's split sizes: rows sent to each rank, rows received from each. `even=True`
+    is for a simulation on fake tensors (no values, so no counts to read): it assumes the router
+    spread the pairs evenly, T k / N rows to each rank, T k / E to each expert."""
+
+    def __init__(self, experts, num_experts: int, group=None, combine_fn=combine,
+                 even: bool = False):
+        self.experts, self.num_experts = experts, num_experts
+        self.group = group or dist.group.WORLD
+        self.combine, self.even = combine_fn, even
+        self.stats = {}
+
+    def __call__(self, x, weights, experts):
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        n, local = dist.get_world_size(self.group), gate_up.shape[0]
+        top_k = weights.shape[1]
+        order, counts = sort_by_expert(experts, self.num_experts)
+        send = x[order // top_k]  # one row per (token, expert) pair, grouped by expert: by rank
+        # 1. counts: recv_counts[j, e] = rows rank j will send for my local expert e
+        send_counts = counts.view(n, local)
+        if self.even:
+            recv_counts = torch.full_like(send_counts, top_k * x.shape[0] // self.num_experts)
+            send_sizes = recv_sizes = [top_k * x.shape[0] // n] * n
+        else:
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+            send_sizes = send_counts.sum(1).tolist()  # the host waits for these numbers
+            recv_sizes = recv_counts.sum(1).tolist()
+        # 2. dispatch: uneven splits, differentiable
+        received = all_to_all_single_autograd(send, recv_sizes, send_sizes, self.group)
+        # rows arrive by source rank, each source's by expert: regroup them by local expert
+        expert_of_row = torch.arange(local, device=x.device).repeat(n).repeat_interleave(
+            recv_counts.reshape(-1), output_size=sum(recv_sizes))
+        regroup = torch.argsort(expert_of_row, stable=True)
+        out = grouped_experts(received[regroup], recv_counts.sum(0), gate_up, down)
+        by_source = torch.empty_like(out)
+        by_source[regroup] = out  # back in the order the rows arrived
+        # 3. return each output to the rank that sent the row
+        returned = all_to_all_single_autograd(by_source, send_sizes, recv_sizes, self.group)
+        self.stats = {"send_sizes": send_sizes, "recv_sizes": recv_sizes}
+        return self.combine(returned, order, weights)
+
+
+# --- bookkeeping: load, capacity, the auxiliary loss --------------------------------------------
+
+def expert_load(experts, num_experts: int) -> list[int]:
+    """(token, slot) pairs routed to each expert."""
+    return torch.bincount(experts.reshape(-1), minlength=num_experts).tolist()
+
+
+def capacity(tokens: int, num_experts: int, top_k: int, factor: float) -> int:
+    """Rows each expert accepts with capacity factor `factor`: factor x its fair share
+    (GShard, arXiv:2006.16668; Switch Transformer, arXiv:2101.03961, section 2.2)."""
+    return math.ceil(factor * tokens * top_k / num_experts)
+
+
+def dropped(load: list[int], cap: int) -> int:
+    """Pairs over capacity, dropped (the token keeps its residual, without that expert)."""
+    return sum(max(0, n - cap) for n in load)
+
+
+def load_balancing_loss(logits, top_k: int):
+    """Switch Transformer's auxiliary loss (eq. 4-6) as transformers computes it
+    (load_balancing_loss_func in modeling_mixtral.py): E x sum over experts of (fraction of the
+    (token, slot) picks it got) x (its mean router probability). A uniform router that spreads
+    the picks evenly gives top_k; concentrating on few experts raises it."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    _, picked = torch.topk(probs, top_k, dim=-1)
+    num_experts = logits.shape[-1]
+    fraction = torch.bincount(picked.reshape(-1), minlength=num_experts) / logits.shape[0]
+    return num_experts * (fraction * probs.mean(0)).sum()
