@@ -1,10 +1,12 @@
-"""Chapter 00, torchrun and collectives: what torchrun starts; a ring all-reduce step by step."""
+"""Chapter 00, torchrun and collectives: what torchrun starts; a ring all-reduce step by step;
+an asynchronous all-reduce on a GPU's streams."""
 from __future__ import annotations
 
 from matplotlib.patches import Patch, Rectangle
 
 from distkit.course.diagrams.shapes import (FAINT, FONT, INK, MONO, SHARED, SMALL, STORE_EDGE,
-                                            STORE_FACE, STORE_INK, arrow, box, canvas, tint, title)
+                                            STORE_FACE, STORE_INK, WRONG, arrow, box, canvas,
+                                            tint, title)
 from distkit.course.plots import RANK_COLORS
 
 RING_CELL, RING_GAP = 0.62, 0.3  # ring_allreduce: chunk width, and the gap arrows cross
@@ -204,5 +206,56 @@ def ring_allreduce(n: int = 4):
     return fig
 
 
+# --- async_streams ---------------------------------------------------------------------------
+
+def async_streams():
+    """An asynchronous all-reduce on a GPU: the CPU only queues work; NCCL's kernel runs on its
+    own stream beside the compute stream; wait() makes the compute stream wait, not the CPU."""
+    width, height = 11.0, 4.6
+    fig, ax = canvas(width, height)
+    title(ax, width / 2, height - 0.3, "dist.all_reduce(x, async_op=True) on a GPU: "
+          "the CPU queues work, the streams run it")
+    lanes = {"CPU (your Python)": 3.35, "compute stream": 2.25, "NCCL's stream": 1.15}
+    left, h = 2.2, 0.62
+    for name, y in lanes.items():
+        ax.text(left - 0.15, y + h / 2, name, ha="right", va="center", fontsize=FONT + 0.5,
+                fontweight="bold", color=INK)
+        ax.plot([left, width - 0.3], [y - 0.12, y - 0.12], color=FAINT, lw=0.8, zorder=0)
+    cpu, comp, nccl = lanes.values()
+    gpu_face, gpu_edge = tint(RANK_COLORS[0], 0.35), RANK_COLORS[0]
+    # the CPU: short calls that queue kernels, one that blocks
+    calls = [(2.3, 1.35, "all_reduce(x,\nasync_op=True)"),
+             (3.75, 1.6, "more backward:\nqueue kernels"),
+             (5.45, 0.95, "work.wait()"), (6.5, 1.0, "y = x.sum()")]
+    for x, w, text in calls:
+        box(ax, x, cpu, w, h, text, face="white", edge=INK, size=SMALL + 0.5)
+    box(ax, 7.6, cpu, 3.0, h, ".item(): the CPU waits for the stream", face=tint(WRONG, 0.15),
+        edge=WRONG, size=SMALL + 0.5)
+    # the compute stream: backward kernels, then a wait for NCCL's event, then the sum
+    box(ax, 3.0, comp, 3.4, h, "backward kernels (queued earlier and now)", face=gpu_face,
+        edge=gpu_edge, size=SMALL + 0.5)
+    box(ax, 6.4, comp, 1.9, h, "waits for NCCL", face="white", edge=FAINT, ls="--",
+        color="0.4", size=SMALL + 0.5)
+    box(ax, 8.3, comp, 1.2, h, "x.sum()", face=gpu_face, edge=gpu_edge, size=SMALL + 0.5)
+    # NCCL's stream: the all-reduce kernel, from its launch to its end
+    box(ax, 2.9, nccl, 5.4, h, "all-reduce kernel: bytes over NVLink / the network",
+        face=STORE_FACE, edge=STORE_EDGE, color=STORE_INK, size=SMALL + 0.5)
+    arrow(ax, (2.95, cpu - 0.02), (2.95, nccl + h + 0.02), color=STORE_EDGE, lw=1.1, mutation=10)
+    ax.text(3.05, nccl + h + 0.2, "queued", fontsize=SMALL, color=STORE_INK, va="center")
+    arrow(ax, (5.9, cpu - 0.02), (6.45, comp + h + 0.02), color=INK, lw=1.1, mutation=10)
+    ax.text(5.75, comp + h + 0.2, "wait(): returns at once", fontsize=SMALL, color=INK,
+            va="center", ha="right")
+    arrow(ax, (8.3, nccl + h), (8.3, comp), color=STORE_EDGE, lw=1.4, mutation=11)
+    ax.text(8.4, nccl + h + 0.2, "done: the compute stream goes on", fontsize=SMALL,
+            color=STORE_INK, va="center")
+    arrow(ax, (9.5, comp + h + 0.02), (9.5, cpu - 0.02), color=WRONG, lw=1.1, mutation=10)
+    ax.text(width / 2, 0.45, "Until wait(), x belongs to the collective: read it or write it and "
+            "you race with the bytes being sent. On gloo, wait() blocks the CPU instead.",
+            ha="center", va="center", fontsize=FONT, color=INK)
+    arrow(ax, (left, 0.85), (width - 0.3, 0.85), "", color="0.5", lw=1.0, mutation=10)
+    ax.text(width - 0.3, 0.72, "time", ha="right", va="center", fontsize=SMALL, color="0.4")
+    return fig
+
+
 # this chapter's pictures, in the order `make images` draws them
-DIAGRAMS = (torchrun, ring_allreduce)
+DIAGRAMS = (torchrun, ring_allreduce, async_streams)
