@@ -1,10 +1,20 @@
-"""`make lab` shows every diagram. The server `make lab` starts (one for this module, on a free
-port) answers 200 for each image a notebook references (it served notebooks/, so ../images/ lay
-outside its root: every image 404). And headless Chromium (as in test_site.py; skipped where it
-is missing), driven over its DevTools pipe, opens one notebook in that JupyterLab and finds every
-image loaded, with the links resolved by JupyterLab itself; a screenshot is saved in
-build/lab-screenshots/. Opening the notebook starts no kernel and saves nothing.
+"""`make lab` shows every diagram, and opening a notebook leaves it unmodified.
+
+The server `make lab` starts (one for this module, on a free port) answers 200 for each image a
+notebook references (it served notebooks/, so ../images/ lay outside its root: every image 404).
+Headless Chromium (tests/chromium.py; skipped where it is missing) opens one notebook in that
+JupyterLab and finds every image loaded, with the links resolved by JupyterLab itself; a
+screenshot is saved in build/lab-screenshots/.
+
+Notebooks open clean: JupyterLab, when it opens a notebook, stores its kernel's kernelspec and
+language_info in it; a notebook that stored other values is modified before a cell runs, and a
+room of clones is dirty (git pull refuses). Through the server's API, each notebook is read,
+given the metadata of a kernel the server started, and saved (to a copy): no byte may change.
+And in the browser, JupyterLab itself opens each copy on that kernel and saves it: not marked
+modified, no byte changed; a control copy with the old "Python 3" display name must come out
+modified (so the check can fail). The copies lie in build/ and are removed.
 """
+import asyncio
 import base64
 import http.client
 import json
@@ -12,16 +22,21 @@ import os
 import posixpath
 import secrets
 import shlex
+import shutil
 import socket
 import subprocess
 import time
+import uuid
 from urllib.parse import quote, unquote, urlsplit
 
+import nbformat
 import pytest
+from tornado.httpclient import HTTPRequest
+from tornado.websocket import websocket_connect
 
+from chromium import Chromium, needs_browser
 from conftest import ROOT
 from test_images import PNG_MAGIC, notebook_images
-from chromium import Chromium, needs_browser
 
 START_TIMEOUT = 60   # s for the server to answer: ~7 CPU-s to start here, far more under load
 STOP_TIMEOUT = 20    # s to shut down after /api/shutdown
@@ -49,11 +64,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def get(port, path, token, method="GET"):
-    """(status, headers, body) of one request to the server, without following redirects."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+def get(port, path, token, method="GET", body=None, timeout=10):
+    """(status, headers, body) of one request to the server, without following redirects;
+    `body` is sent as JSON."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request(method, path, headers={"Authorization": f"token {token}"})
+        conn.request(method, path, body=None if body is None else json.dumps(body),
+                     headers={"Authorization": f"token {token}"})
         resp = conn.getresponse()
         return resp.status, resp.headers, resp.read()
     finally:
@@ -85,14 +102,17 @@ def lab(tmp_path_factory):
         path = tmp / "settings" / "@jupyterlab" / f"{name}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
-    # Opening a notebook starts no kernel (none is needed to show it; none can be left behind):
-    # JupyterLab's page option notebookStartsKernel, read from labconfig/page_config.json.
+    # Opening a notebook starts no kernel (none is needed to show it; the open-clean test gives
+    # each notebook the one kernel it started): JupyterLab's page option notebookStartsKernel,
+    # read from labconfig/page_config.json.
     (tmp / "config" / "labconfig").mkdir(parents=True)
     (tmp / "config" / "labconfig" / "page_config.json").write_text(
         json.dumps({"notebookStartsKernel": "false"}))
     port, token = free_port(), secrets.token_hex(16)
+    # window.jupyterapp: JupyterLab's app object, for the test's JavaScript.
     command = lab_command() + ["--port", str(port), "--ServerApp.port_retries=0", "--no-browser",
-                               f"--IdentityProvider.token={token}"]
+                               f"--IdentityProvider.token={token}",
+                               "--LabApp.expose_app_in_browser=True"]
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
            "JUPYTERLAB_SETTINGS_DIR": str(tmp / "settings"),
            "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "workspaces"),
@@ -190,3 +210,145 @@ def test_jupyterlab_shows_a_notebooks_diagrams(lab, tmp_path):
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000, "no screenshot"
     assert json.loads(get(port, "/api/kernels", token)[2]) == [], "opening it started a kernel"
     assert (ROOT / "notebooks" / NOTEBOOK).read_bytes() == stored, "JupyterLab saved the notebook"
+
+
+async def _kernel_info(port, token, kernel_id) -> dict:
+    """The kernel's kernel_info reply, asked over the server's websocket (the legacy JSON
+    protocol: one message a frame), as JupyterLab asks it when it connects."""
+    session, msg_id = uuid.uuid4().hex, uuid.uuid4().hex
+    ws = await websocket_connect(HTTPRequest(
+        f"ws://127.0.0.1:{port}/api/kernels/{kernel_id}/channels?session_id={session}",
+        headers={"Authorization": f"token {token}"}, request_timeout=30))
+    try:
+        await ws.write_message(json.dumps({
+            "header": {"msg_id": msg_id, "username": "test", "session": session,
+                       "msg_type": "kernel_info_request", "version": "5.3",
+                       "date": "2026-01-01T00:00:00.000000Z"},
+            "parent_header": {}, "metadata": {}, "content": {}, "channel": "shell",
+            "buffers": []}))
+        while True:
+            message = await asyncio.wait_for(ws.read_message(), 60)
+            assert message is not None, "the kernel's websocket closed"
+            message = json.loads(message)
+            if message.get("parent_header", {}).get("msg_id") == msg_id and \
+                    message["header"]["msg_type"] == "kernel_info_reply":
+                return message["content"]
+    finally:
+        ws.close()
+
+
+@pytest.fixture(scope="module")
+def kernel(lab):
+    """(kernel id, the notebook metadata JupyterLab writes for it): one python3 kernel the
+    server started, its kernelspec as JupyterLab stores it and its language_info."""
+    port, token = lab
+    status, _, body = get(port, "/api/kernels", token, "POST", {"name": "python3"}, timeout=60)
+    assert status == 201, (status, body)
+    kernel_id = json.loads(body)["id"]
+    try:
+        spec = json.loads(get(port, "/api/kernelspecs", token)[2])["kernelspecs"]["python3"]
+        info = asyncio.run(_kernel_info(port, token, kernel_id))
+        yield kernel_id, {"kernelspec": {"name": "python3",
+                                         "display_name": spec["spec"]["display_name"],
+                                         "language": spec["spec"]["language"]},
+                          "language_info": info["language_info"]}
+    finally:
+        get(port, f"/api/kernels/{kernel_id}", token, "DELETE", timeout=30)
+
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+CONTROL = "control_python3.ipynb"  # a copy of the first notebook, display name "Python 3"
+
+
+@pytest.fixture
+def copies():
+    """A folder in build/ (inside what the server serves) with a copy of every notebook and the
+    control; removed afterwards, with nothing else."""
+    folder = ROOT / "build" / f"lab-open-clean-{uuid.uuid4().hex[:8]}"
+    folder.mkdir(parents=True)
+    try:
+        for path in NOTEBOOKS:
+            shutil.copyfile(path, folder / path.name)
+        nb = nbformat.read(NOTEBOOKS[0], as_version=4)
+        nb.metadata.kernelspec.display_name = "Python 3"
+        nbformat.write(nb, folder / CONTROL)
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_every_notebook_stores_what_jupyterlab_writes_on_open(lab, kernel, copies):
+    """Read through the contents API, given the kernel's metadata, saved through the API: the
+    same bytes (and the control, with another display name, changes)."""
+    port, token = lab
+    _, metadata = kernel
+    changed = []
+    for path in [*(copies / p.name for p in NOTEBOOKS), copies / CONTROL]:  # copies: no race
+        rel = path.relative_to(ROOT).as_posix()
+        status, _, body = get(port, f"/api/contents/{quote(rel)}?type=notebook&content=1", token)
+        assert status == 200, (rel, status)
+        model = json.loads(body)
+        model["content"]["metadata"].update(metadata)
+        saved = copies / f"saved_{path.name}"
+        target = saved.relative_to(ROOT).as_posix()
+        status, _, body = get(port, f"/api/contents/{quote(target)}", token, "PUT",
+                              {"type": "notebook", "format": "json",
+                               "content": model["content"]}, timeout=60)
+        assert status in (200, 201), (target, status, body[:300])
+        if saved.read_bytes() != path.read_bytes():
+            changed.append(path.name)
+    assert changed == [CONTROL], (
+        f"opening these in JupyterLab modifies them: {changed[:-1]}; store its metadata with "
+        f"python -m distkit.course.record --metadata notebooks/*.ipynb ({metadata})")
+
+
+# In JupyterLab: open one notebook, give it the test's kernel (JupyterLab then stores that
+# kernel's kernelspec and language_info, as when it starts one on open), save it, close it.
+OPEN_AND_SAVE = """(async () => {
+  const app = window.jupyterapp;
+  const panel = await app.commands.execute("docmanager:open", {path: %s, factory: "Notebook"});
+  await panel.context.ready;
+  await panel.sessionContext.ready;
+  await panel.sessionContext.changeKernel({id: %s});
+  const kernel = panel.sessionContext.session.kernel;
+  await kernel.spec;
+  await kernel.info;
+  await new Promise(done => setTimeout(done, 300));  // the panel's metadata updates
+  const dirty = panel.model.dirty;
+  const metadata = {kernelspec: panel.model.getMetadata("kernelspec"),
+                    language_info: panel.model.getMetadata("language_info")};
+  await panel.context.save();
+  panel.dispose();
+  return {dirty, metadata};
+})()"""
+
+
+@needs_browser
+def test_jupyterlab_opens_and_saves_every_notebook_unchanged(lab, kernel, copies, tmp_path):
+    port, token = lab
+    kernel_id, metadata = kernel
+    names = [CONTROL, *(p.name for p in NOTEBOOKS)]  # the control first: the wait suffices
+    before = {name: (copies / name).read_bytes() for name in names}
+    with open(tmp_path / "chromium.log", "w") as log:
+        chromium = Chromium(tmp_path / "profile", log)
+    try:
+        session = chromium.open(f"http://127.0.0.1:{port}/lab?token={token}")
+        chromium.wait_for(session, "!!window.jupyterapp && window.jupyterapp.restored"
+                                   ".then(() => true)", RENDER_TIMEOUT, "JupyterLab starting")
+        results = {}
+        for name in names:
+            path = (copies / name).relative_to(ROOT).as_posix()
+            results[name] = chromium.evaluate(
+                session, OPEN_AND_SAVE % (json.dumps(path), json.dumps(kernel_id)),
+                timeout=RENDER_TIMEOUT)
+    finally:
+        chromium.close()
+    control = results.pop(CONTROL)
+    assert control["dirty"] and (copies / CONTROL).read_bytes() != before[CONTROL], \
+        "the control (display name 'Python 3') was not modified: the check cannot fail"
+    assert control["metadata"] == metadata  # JupyterLab wrote what the API test expects
+    modified = [name for name, r in results.items() if r["dirty"]]
+    rewritten = [name for name in results if (copies / name).read_bytes() != before[name]]
+    assert not modified and not rewritten, (
+        f"JupyterLab marks these modified on open: {modified}; saving rewrites {rewritten}; "
+        "store its metadata with python -m distkit.course.record --metadata notebooks/*.ipynb")

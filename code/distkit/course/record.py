@@ -115,18 +115,21 @@ def kernel_metadata(kernel_name: str = "python3") -> dict:
 
 
 def normalise_metadata(paths: list[Path], metadata: dict | None = None) -> list[Path]:
-    """Store `metadata` (default: this machine's kernel_metadata()) in each notebook, changing
-    nothing else; returns the notebooks it changed."""
+    """Store `metadata` (default: this machine's kernel_metadata()) in each notebook, in the
+    layout Jupyter's server writes (nbformat's; a notebook another tool wrote is rewritten by
+    the first save in JupyterLab), changing nothing else; returns the notebooks it changed."""
     import nbformat
     metadata = metadata or kernel_metadata()
     changed = []
     for path in paths:
-        nb = nbformat.read(path, as_version=4)
-        if all(nb.metadata.get(k) == v for k, v in metadata.items()):
-            continue
+        text = path.read_text(encoding="utf-8")
+        nb = nbformat.reads(text, as_version=4)
         nb.metadata.update(metadata)
-        nbformat.write(nb, path)
-        changed.append(path)
+        new = nbformat.writes(nb)
+        new += "" if new.endswith("\n") else "\n"  # as nbformat.write ends a file
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+            changed.append(path)
     return changed
 
 
