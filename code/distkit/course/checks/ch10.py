@@ -1,0 +1,100 @@
+"""Exercise checks for chapter 10 (float8, schedules, 3-D); see distkit/course/checks/__init__.py.
+
+The reference numbers come from the lesson layer the chapter teaches with: distkit.fp8 (torchao's
+scale rule) for 10.1, distkit.schedules (the same timeline, and the bubble formulas) for 10.2.
+"""
+from distkit.course.exercise import exercise
+
+
+def _fp8_reference() -> dict:
+    """The numbers a right to_float8 gives on exercise 10.1's cases, from distkit.fp8."""
+    import torch
+
+    from distkit.fp8 import E4M3, E5M2, from_float8, relative_error, to_float8
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g)
+    out = {}
+    for name, dtype in (("e4m3", E4M3), ("e5m2", E5M2)):
+        x8, scale = to_float8(x, dtype)
+        out[f"gaussian {name}"] = {"scale": scale.item(),
+                                   "error": relative_error(from_float8(x8, scale), x)}
+    outlier = x.clone()
+    outlier[0, 7] = -1e5
+    for name, dim in (("per tensor", None), ("per row", 1)):
+        x8, scale = to_float8(outlier, E4M3, dim=dim)
+        back = from_float8(x8, scale)
+        out[f"outlier {name}"] = {"scale": scale.reshape(-1)[0].item(),
+                                  "error rest": relative_error(back[1:], outlier[1:]),
+                                  "zeros rest": (x8[1:].float() == 0).float().mean().item()}
+    return out
+
+
+def _close(a, b, rel=1e-4) -> bool:
+    return abs(a - b) <= rel * abs(b)
+
+
+@exercise("10.1", "ch10_float8_3d/exercises/ex10_float8_scale.py", nprocs=(1,))
+def float8_scale(run):
+    """Scales and round-trip errors against distkit.fp8's (torchao's rule), one case at a time,
+    each failure naming the likely mistake."""
+    res, ref = run(), _fp8_reference()
+    got, want = res["gaussian e4m3"]["scale"], ref["gaussian e4m3"]["scale"]
+    yield (_close(got, want), f"scale of a gaussian tensor = 448 / amax(|x|) = {want:.4g}",
+           f"scale of a gaussian tensor is {got:.4g}, not 448 / amax(|x|) = {want:.4g}"
+           + (": inverted (amax / 448)?" if _close(got * want, 1.0, 1e-3) else
+              ": is amax taken of |x| (the most negative value counts too)?" if got > want
+              else ""))
+    for fmt in ("e4m3", "e5m2"):
+        got, want = res[f"gaussian {fmt}"]["error"], ref[f"gaussian {fmt}"]["error"]
+        yield (_close(got, want, 1e-3), f"{fmt} round trip of a gaussian tensor: "
+               f"{100 * want:.1f} % error",
+               f"{fmt} round trip of a gaussian tensor: {100 * got:.1f} % error, expected "
+               f"{100 * want:.1f} %")
+    got, want = res["outlier per tensor"]["scale"], ref["outlier per tensor"]["scale"]
+    yield (_close(got, want), "a negative outlier of -1e5 sets the scale: 448 / 1e5",
+           f"with an outlier of -1e5 the scale is {got:.4g}, not 448 / 1e5 = {want:.4g}: "
+           "is amax taken of |x| (a negative value is a magnitude too)?")
+    shape = res["outlier per row"]["scale shape"]
+    yield (shape == [64, 1], "per row: one scale per row, shape [64, 1]",
+           f"per row: scales of shape {shape}, expected [64, 1] (amax over dim 1, keepdim)")
+    for name in ("outlier per tensor", "outlier per row"):
+        got, want = res[name]["error rest"], ref[name]["error rest"]
+        yield (_close(got, want, 1e-3), f"{name}: the other rows' error {100 * want:.1f} %",
+               f"{name}: the other rows' error is {100 * got:.1f} %, expected {100 * want:.1f} %")
+    zeros = res["zeros"]
+    yield (zeros["scale finite"] and zeros["back all zero"],
+           "an all-zero tensor: a finite scale, zeros back",
+           "an all-zero tensor gives " + ("an infinite scale" if not zeros["scale finite"] else
+                                          "non-zeros back") + ": floor amax at EPS before dividing")
+    stale = res["stale scale e5m2"]
+    yield (stale["finite"] and stale["largest"] == 57344.0,
+           "a stale scale and large gradients: saturated at 57344 in e5m2, no inf",
+           f"a stale scale and large gradients: largest {stale['largest']:g} in e5m2 "
+           "(inf: clamp to +-fp8_max before the cast; e5m2 overflows to inf)")
+
+
+@exercise("10.2", "ch10_float8_3d/exercises/ex10_bubble.py", nprocs=(1,))
+def bubble(run):
+    """Each case's idle units per rank against distkit.schedules' timeline of torch's lists, and
+    the bubble fraction against the formula."""
+    from distkit.schedules import bubble_formula, idle, one_f_one_b, simulate, actions
+    for case in run()["cases"]:
+        s, p, m = case["schedule"], case["pp"], case["m"]
+        lists = one_f_one_b(p, m) if s == "1F1B" else actions(s, p, m)
+        want = idle(simulate(lists))
+        idle_want, step_want = [i for i, _ in want], want[0][1]
+        name = f"{s} p={p} m={m}"
+        hint = ""
+        if not any(case["idle"]):
+            hint = ": no rank ever waits; does an action wait for its inputs to end?"
+        elif case["step"] != step_want:
+            hint = f" (your step lasts {case['step']}, expected {step_want}: the costs?)"
+        elif len(set(case["idle"])) > 1 and len(set(idle_want)) == 1:
+            hint = ": the step ends for every rank when the last one ends"
+        yield (case["idle"] == idle_want, f"{name}: idle {idle_want} units of {step_want}",
+               f"{name}: idle {case['idle']} units, expected {idle_want}{hint}")
+        frac, formula = idle_want[0] / step_want, bubble_formula(s, p, m)
+        yield (abs(case["idle"][0] / case["step"] - frac) < 1e-9,
+               f"{name}: bubble {frac:.3f} = formula {float(formula):.3f}",
+               f"{name}: bubble {case['idle'][0] / case['step']:.3f}, the formula says "
+               f"{float(formula):.3f}")

@@ -1,0 +1,57 @@
+"""Chapter 10's exercises through their checker: each solution passes, the untouched starter
+stops at its first TODO, and plausible wrong answers fail with a line that names the mistake.
+One process per check (about 4 CPU-s each: importing torch), all at once."""
+import pytest
+
+exercise = pytest.importorskip("distkit.course.exercise")  # the checker (make exercise)
+
+WRONG = {
+    # 10.1: the scale inverted, amax of x instead of |x|, no floor under amax, no clamp
+    "inverted": ("10.1", ("scale = (top / amax.double().clamp(min=EPS)).float()",
+                          "scale = (amax.double().clamp(min=EPS) / top).float()")),
+    "no abs": ("10.1", ("amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, "
+                        "keepdim=True)",
+                        "amax = x.amax() if dim is None else x.amax(dim=dim, keepdim=True)")),
+    "no eps": ("10.1", ("scale = (top / amax.double().clamp(min=EPS)).float()",
+                        "scale = (top / amax.double()).float()")),
+    "no clamp": ("10.1", ("x8 = (x * scale).clamp(-top, top).to(dtype)",
+                          "x8 = (x * scale).to(dtype)")),
+    # 10.2: actions that never wait for their inputs; each rank's own end as its step; B = F
+    "no waiting": ("10.2", ("start = max([free[r], *ready])", "start = free[r]")),
+    "own end": ("10.2", ("return [step - sum(end - start for start, end in rank) for rank in "
+                         "spans], step",
+                         "return [rank[-1][1] - sum(end - start for start, end in rank) "
+                         "for rank in spans], step")),
+    "B costs 1": ("10.2", ('COSTS = {"F": 1, "B": 2, "I": 1, "W": 1}',
+                           'COSTS = {"F": 1, "B": 1, "I": 1, "W": 1}')),
+}
+EXPECT = {"inverted": "inverted (amax / 448)?", "no abs": "is amax taken of |x|",
+          "no eps": "floor amax at EPS", "no clamp": "clamp to +-fp8_max",
+          "no waiting": "does an action wait for its inputs",
+          "own end": "the step ends for every rank when the last one ends",
+          "B costs 1": "the costs?"}
+
+
+def test_solutions_pass_and_wrong_answers_fail(tmp_path):
+    jobs = {"10.1": ("10.1", None), "10.2": ("10.2", None), **WRONG}
+    runs = exercise.check_at_once(jobs, tmp_path, nprocs=(1,))
+    for ex in ("10.1", "10.2"):
+        ok, lines, _ = runs[ex]
+        assert ok, lines
+    for name, expected in EXPECT.items():
+        ok, lines, _ = runs[name]
+        assert not ok and expected in lines[-1], (name, lines)
+
+
+def test_starters_stop_at_their_first_todo():
+    for ex in ("10.1", "10.2"):
+        ok, lines = exercise.check(ex, echo=lambda line: None)
+        assert not ok and lines[-1].startswith("FAIL TODO left at code/ch10_float8_3d/"), lines
+
+
+def test_starters_are_generated_from_their_solutions():
+    for sol in exercise.solutions():
+        if sol.parent.parent.name == "ch10_float8_3d":
+            starter = exercise.starter_of(sol)
+            assert starter.read_text() == exercise.make_starter(sol.read_text(), sol.name), \
+                f"{starter} is stale: make starters"
