@@ -509,15 +509,15 @@ def check_async(res: dict, min_bytes: int = 2**20) -> None:
 
 # --- Chapter 01's checks ------------------------------------------------------------------------
 
-def check_ddp_memory(mem: dict, shares: dict) -> None:
+def check_ddp_memory(mem: dict, shares: list) -> None:
     """ddp_memory.py's bytes per rank (its JSON) for each share of the global batch (`shares`:
-    sequences per rank -> the N that gives it): every rank measured the same bytes, AdamW's state
-    is 8 bytes per parameter plus a 4-byte step counter per tensor; one line per setting, then
-    the peak activations per rank at each share."""
+    (sequences per rank, the N that gives it) pairs): every rank measured the same bytes, AdamW's
+    state is 8 bytes per parameter plus a 4-byte step counter per tensor; one line per setting,
+    then the peak activations per rank at the first two shares."""
     psi = mem["num_params"]
     cats = [("params", "parameters"), ("grads_and_buckets", "gradients + buckets"),
             ("optimizer", "AdamW state")]
-    for b, n in shares.items():
+    for b, n in shares:
         for view in ("False", "True"):
             m = mem["settings"][str(b)][view]
             assert all(len(set(m[c])) == 1 for c, _ in cats)  # every rank measured the same
@@ -525,7 +525,7 @@ def check_ddp_memory(mem: dict, shares: dict) -> None:
             total = sum(m[c][0] for c, _ in cats)
             print(f"{b} sequences/rank (N={n}), gradient_as_bucket_view={view:5}: " + ", ".join(
                 f"{label} {m[c][0]:,} B" for c, label in cats) + f"  = {total / psi:.2f} B/param")
-    (b0, n0), (b1, n1) = list(shares.items())[:2]
+    (b0, n0), (b1, n1) = shares[:2]
     act = [mem["settings"][str(b)]["False"]["peak_activations"][0] for b in (b0, b1)]
     print(f"peak activations per rank, N={n0} -> N={n1} ({b0} -> {b1} sequences per rank): "
           f"{act[0]:,} -> {act[1]:,} B (x{act[1] / act[0]:.2f})")
