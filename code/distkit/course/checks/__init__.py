@@ -6,7 +6,7 @@ reads, naming the first thing wrong with its number. CHAPTERS lists the modules
 distkit.course.exercise imports to fill its registry.
 """
 
-CHAPTERS = ["ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch10"]
+CHAPTERS = ["ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09", "ch10"]
 
 
 def first_diff(mine, reference, tol):

@@ -1,0 +1,61 @@
+"""Exercise checks for chapter 09 (context and expert parallelism); see
+distkit/course/checks/__init__.py."""
+from distkit.course.exercise import exercise
+
+
+def _bounded(res, what, passed, failed):
+    """A check that res["errors"][what] (or res[what]) is below the script's tolerance."""
+    err = res["errors"][what] if "errors" in res else res[what]
+    tol = res["tolerance"][what] if isinstance(res["tolerance"], dict) else res["tolerance"]
+    return err < tol, f"{passed} (< {tol:.0e})", f"{failed}: off by {err:.1e} (tolerance {tol:.0e})"
+
+
+@exercise("09.1", "ch09_long_context_moe/exercises/ex09_online_softmax.py")
+def online_softmax(run):
+    res = run()
+    yield _bounded(res, "two blocks: out", "two merged blocks = attention over all the keys",
+                   "the merged output is not attention over both blocks: each block's output is "
+                   "normalised by its own denominator; reweight it by its share of the new one, "
+                   "exp(lse_block - lse)")
+    yield _bounded(res, "two blocks: lse", "lse of two merged blocks = log-sum-exp of all scores",
+                   "the merged lse is not the log-sum-exp of both blocks' scores: over both, "
+                   "the softmax's denominator is exp(lse_a) + exp(lse_b)")
+    yield _bounded(res, "three blocks: out", "three blocks merged in either order = the whole",
+                   "three blocks merged pairwise differ from attention over all of them: the "
+                   "lse you return must be the merged one, since the next merge uses it")
+    yield _bounded(res, "ring: out", f"inside the ring on {run.nproc} ranks = attention over "
+                   "the whole sequence",
+                   f"ring attention with your merge on {run.nproc} ranks differs from attention "
+                   "over the whole sequence")
+
+
+@exercise("09.2", "ch09_long_context_moe/exercises/ex09_ulysses.py")
+def ulysses(run):
+    res = run()
+    n = run.nproc
+    yield _bounded(res, "layout", f"each rank holds its H/{n} heads of all the tokens, in order",
+                   f"seq_to_heads's result is not this rank's heads (rank j: heads j H/{n} ... "
+                   f"(j+1) H/{n} - 1) of every token in order: check which head group goes "
+                   "first to the all-to-all and how the received chunks are laid out")
+    yield _bounded(res, "attention", "Ulysses attention = attention over the whole sequence",
+                   "Ulysses attention built on your seq_to_heads differs from attention over "
+                   "the whole sequence")
+    yield _bounded(res, "gradients", "gradients of q, k, v = the whole sequence's",
+                   "the gradients of q, k, v differ from the whole sequence's: is every step "
+                   "of seq_to_heads differentiable (all_to_all_single_autograd, no .detach())?")
+
+
+@exercise("09.3", "ch09_long_context_moe/exercises/ex09_ep_combine.py")
+def ep_combine(run):
+    res = run()
+    yield (res["rows back at their tokens"], "every expert output back at its (token, slot)",
+           "the rows do not come back to their tokens: row i of the sorted outputs is pair "
+           "order[i], so it goes to position order[i] (a scatter, the inverse of the sort), "
+           "not to position i of expert_out[order]")
+    yield (res["weighted by the router"], "each slot weighted by the router's weight",
+           "the outputs are not weighted by the router: a token's output is the sum over its k "
+           "slots of weight x that expert's output")
+    for what, label in (("outputs", "the layer's outputs"), ("loss", "the loss"),
+                        ("gradients", "every gradient (experts, router)")):
+        yield _bounded(res, what, f"{label} = one process's with all the experts",
+                       f"{label} differ from one process's with all the experts")

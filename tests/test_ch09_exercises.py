@@ -1,0 +1,127 @@
+"""Chapter 09's exercises through their checker (`make exercise EX=09.1`, `09.2`, `09.3`): each
+solution, copied over its starter, passes at 2 ranks (make test); at 3 ranks (make test-nproc)
+the solutions pass again and the plausible wrong answers fail, each with the line that names its
+mistake; --help and bad input.
+
+Budget of `make test`: three 2-rank launches at once, no transformers import (~5 CPU-s each).
+The untouched starters' first TODO is tests/test_exercises.py's (no launch). --help and bad input
+run in this process: argparse stops the scripts before setup().
+"""
+import pytest
+
+from conftest import check_same_options, run_in_process
+from distkit.course.exercise import check_at_once
+
+MERGE = "ch09_long_context_moe/{}/ex09_online_softmax.py"
+ULYSSES = "ch09_long_context_moe/{}/ex09_ulysses.py"
+COMBINE = "ch09_long_context_moe/{}/ex09_ep_combine.py"
+
+# Each wrong answer: (exercise, (line of the solution, what a learner wrote instead)), and the
+# start of the line the checker must fail with.
+WRONG = {
+    # the safe-softmax maximum where the log of the summed denominators belongs
+    "merge_max": (("09.1", ("lse = torch.logaddexp(lse_a, lse_b)",
+                            "lse = torch.maximum(lse_a, lse_b)")),
+                  "FAIL [3 ranks] the merged output is not attention over both blocks"),
+    # the two normalised outputs averaged, as if both blocks had the same denominator
+    "merge_average": (("09.1", ("return weight_a * out_a + weight_b * out_b, lse",
+                                "return (out_a + out_b) / 2, lse")),
+                      "FAIL [3 ranks] the merged output is not attention over both blocks"),
+    # the right output, but the old lse handed on to the next merge
+    "merge_old_lse": (("09.1", ("return weight_a * out_a + weight_b * out_b, lse",
+                                "return weight_a * out_a + weight_b * out_b, lse_a")),
+                      "FAIL [3 ranks] the merged lse is not the log-sum-exp"),
+    # head groups taken as every N-th head (rank j: heads j, j+N, ...), not consecutive ones
+    "ulysses_interleaved": (("09.2", (
+        "send = x.reshape(b, n, h // n, s, d).transpose(0, 1).contiguous()",
+        "send = x.reshape(b, h // n, n, s, d).permute(2, 0, 1, 3, 4).contiguous()")),
+        "FAIL [3 ranks] seq_to_heads's result is not this rank's heads"),
+    # the received token chunks stacked as if they were heads, not laid end to end
+    "ulysses_no_permute": (("09.2", (
+        "return got.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)",
+        "return got.reshape(b, h // n, n * s, d)")),
+                           "FAIL [3 ranks] seq_to_heads's result is not this rank's heads"),
+    # the all-to-all cut from autograd: right values, no gradient back to q, k, v's owners
+    "ulysses_detached": (("09.2", ("got = all_to_all_single_autograd(send, None, None, group)",
+                                   "got = all_to_all_single_autograd(send.detach(), None, None, "
+                                   "group)")),
+                         "FAIL [3 ranks] the gradients of q, k, v differ"),
+    # the sort applied again (a gather) instead of undone (a scatter)
+    "combine_gather": (("09.3", ("pairs[order] = expert_out", "pairs = expert_out[order]")),
+                       "FAIL [3 ranks] the rows do not come back to their tokens"),
+    # the k experts' outputs added without the router's weights
+    "combine_unweighted": (("09.3", (
+        "return (pairs.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)",
+        "return pairs.view(tokens, k, -1).sum(dim=1)")),
+        "FAIL [3 ranks] the outputs are not weighted by the router"),
+    # the weights used as constants: right outputs, no gradient for the router
+    "combine_detached": (("09.3", (
+        "return (pairs.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)",
+        "return (pairs.view(tokens, k, -1) * weights.detach().unsqueeze(-1)).sum(dim=1)")),
+        "FAIL [3 ranks] every gradient (experts, router) differ"),
+}
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """make test: the three solutions at 2 ranks."""
+    return check_at_once({"merge": ("09.1", None), "ulysses": ("09.2", None),
+                          "combine": ("09.3", None)}, tmp_path_factory.mktemp("ch09_ex"))
+
+
+@pytest.fixture(scope="module")
+def at_3(tmp_path_factory):
+    """make test-nproc: the solutions and every wrong answer, at 3 ranks."""
+    jobs = {"merge": ("09.1", None), "ulysses": ("09.2", None), "combine": ("09.3", None),
+            **{name: job for name, (job, _) in WRONG.items()}}
+    return check_at_once(jobs, tmp_path_factory.mktemp("ch09_ex3"), nprocs="largest")
+
+
+@pytest.mark.parametrize("name, checks_", [("merge", 4), ("ulysses", 3), ("combine", 5)])
+def test_solution_passes_every_check(checks, name, checks_):
+    ok, lines, runs = checks[name]
+    assert ok, lines
+    assert len(lines) == 1 + checks_ and all(ln.startswith("PASS") for ln in lines)
+    (nproc, res, out), = runs
+    assert nproc == 2 and res["world_size"] == 2 and "False" not in out
+
+
+def test_merge_solution_is_exact_in_float64(checks):
+    (_, res, _), = checks["merge"][2]
+    assert res["tolerance"] == 1e-12 and max(res["errors"].values()) < 1e-12
+
+
+@pytest.mark.second_nproc
+@pytest.mark.parametrize("name", ["merge", "ulysses", "combine"])
+def test_at_3_ranks_solutions_pass(at_3, name):
+    ok, lines, _ = at_3[name]
+    assert ok, lines
+
+
+@pytest.mark.second_nproc
+@pytest.mark.parametrize("name", list(WRONG))
+def test_at_3_ranks_wrong_answer_is_named(at_3, name):
+    ok, lines, _ = at_3[name]
+    assert not ok, lines
+    assert lines[-1].startswith(WRONG[name][1]), lines[-1]
+
+
+# --- arguments: --help, bad input (in this process: argparse exits before setup) ---------------
+
+@pytest.mark.parametrize("script", [MERGE, ULYSSES, COMBINE])
+def test_starter_takes_the_solutions_arguments(monkeypatch, capsys, script):
+    check_same_options(monkeypatch, capsys, script)
+
+
+@pytest.mark.parametrize("folder", ["solutions", "exercises"])
+@pytest.mark.parametrize("script, args, message", [
+    (MERGE, ["--seq", "20"], "--seq must be a multiple of 6 and of 2 x 2 processes"),
+    (ULYSSES, ["--heads", "5"], "--seq, --heads and --kv-heads must be multiples of 2 processes"),
+    (COMBINE, ["--experts", "5"], "--experts must be a multiple of 2 processes"),
+])
+def test_bad_input(monkeypatch, capsys, folder, script, args, message):
+    path = script.format(folder)
+    code, _, err = run_in_process(monkeypatch, capsys, path, *args, env={"WORLD_SIZE": "2"})
+    lines = err.strip().splitlines()
+    assert code == 2 and lines[0].startswith("usage:")
+    assert lines[-1].startswith(f"{path.split('/')[-1]}: error: {message}"), lines[-1]
