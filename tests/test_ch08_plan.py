@@ -1,16 +1,17 @@
-"""Chapter 08: the Llama-exact calculator against the committed simulation grid, three grid points
-simulated again (their peaks, every category and their collectives), the FLOPs torch counts
-against the formulas, the speed model's arithmetic, the exercise.
+"""Chapter 08: the Llama-exact calculator against the committed simulation grid, and every path
+of simulate_fsdp.py (fp32, selective, eager attention, a 2-D mesh, sequence 8192) simulated
+again on a cheap grid point: its peak, every category and its collectives, to the byte; the
+FLOPs torch counts against the formulas.
 
-Budget: three simulated 1B points at once (~15 CPU-s each) and one FLOP count on fake models;
-no launch. The notebook reads the grid (and chapter 03's fp32 sweeps, which
-tests/test_ch03_scripts.py checks), simulates one point live and counts 8B's and 70B's FLOPs."""
+Budget: five simulated 1B points at once (~10 CPU-s each, most of it imports) and one FLOP count
+on fake models; no launch. The notebook reads the grid (and chapter 03's fp32 sweeps, which
+tests/test_ch03_scripts.py checks), simulates bf16 + full checkpointing on 8 and 64 ranks live
+and counts 8B's and 70B's FLOPs. The time model's terms: tests/test_ch08_speed.py."""
 import json
-
-import pytest
-
 import subprocess
 import sys
+
+import pytest
 
 from conftest import CODE, ROOT, launcher_env
 from distkit.memory import LLAMA_CONFIGS, communication_bytes, flops_per_token, llama_parts, \
@@ -49,21 +50,35 @@ def test_calculator_within_10_percent_of_every_grid_point():
         assert not misses(r), (r["command"], misses(r))
 
 
-# Three 1B points on 8 ranks: bf16 with full and with selective checkpointing, fp32 with full.
-POINTS = {"bf16-full": ("bf16", "full"), "bf16-selective": ("bf16", "selective"),
-          "fp32-full": ("fp32", "full")}
+# Every path of simulate_fsdp.py recomputed at least once (review tests_mutations C1), each on
+# the cheapest stored point that takes it: name -> (settings of the stored point, its flags).
+# Notebook 08's live cell simulates bf16 + full checkpointing on 8 and 64 ranks in one launch
+# (its two stored points, compared to the byte under nbval): not repeated here.
+POINTS = {
+    "bf16-selective": ({"precision": "bf16", "ac": "selective"},
+                       ["--precision", "bf16", "--ac", "selective"]),
+    "fp32-selective": ({"precision": "fp32", "ac": "selective"},
+                       ["--precision", "fp32", "--ac", "selective"]),
+    "bf16-none-eager": ({"precision": "bf16", "ac": "none", "attn": "eager"},
+                        ["--precision", "bf16", "--ac", "none", "--attn", "eager"]),
+    "bf16-full-tp2": ({"precision": "bf16", "ac": "full", "tp": 2},
+                      ["--precision", "bf16", "--ac", "full", "--tp", "2"]),
+    "bf16-full-seq8192": ({"precision": "bf16", "ac": "full", "seq": 8192},
+                          ["--precision", "bf16", "--ac", "full", "--seq", "8192"]),
+}
+STORED = {"model": "1b", "ranks": 8, "tp": 1, "attn": "sdpa", "seq": 2048, "batch": 1}
 
 
 @pytest.fixture(scope="module")
 def resimulated(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grid")
-    # all at once (conftest's run_scripts_at_once, with a longer limit: a point is ~15 CPU-s,
+    # all at once (conftest's run_scripts_at_once, with a longer limit: a point is ~10 CPU-s,
     # but 3 of them took over 300 s of wall on a 2-core machine at load 30)
     procs = {name: subprocess.Popen(
-        [sys.executable, str(CODE / SIM), "--points", "1b:8", "--precision", p, "--ac", ac,
+        [sys.executable, str(CODE / SIM), "--points", "1b:8", *flags,
          "--json", str(tmp / f"{name}.json")], text=True, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, env=launcher_env({"PYTHONPATH": str(CODE)}))
-        for name, (p, ac) in POINTS.items()}
+        for name, (_, flags) in POINTS.items()}
     out = {}
     for name, proc in procs.items():
         stdout, err = proc.communicate(timeout=900)
@@ -73,15 +88,20 @@ def resimulated(tmp_path_factory):
     return out
 
 
+def committed_point(name):
+    want = {**STORED, **POINTS[name][0]}
+    found = [r for r in json.loads(GRID.read_text())["results"]
+             if all(r.get(k, 1 if k == "tp" else None) == v for k, v in want.items())]
+    assert len(found) == 1, (name, want)
+    return found[0]
+
+
 @pytest.mark.parametrize("name", POINTS)
 def test_grid_point_simulates_again_to_the_committed_bytes(resimulated, name):
     fresh = resimulated[name]
-    committed = [r for r in json.loads(GRID.read_text())["results"]
-                 if (r["model"], r["ranks"], r.get("tp", 1), r["attn"], r["seq"], r["batch"],
-                     r["precision"], r["ac"]) == ("1b", 8, 1, "sdpa", 2048, 1, *POINTS[name])]
-    assert len(committed) == 1
-    assert fresh["peak"] == committed[0]["peak"]  # the peak and every category, to the byte
-    assert fresh["after_step"] == committed[0]["after_step"]
+    committed = committed_point(name)
+    assert fresh["peak"] == committed["peak"]  # the peak and every category, to the byte
+    assert fresh["after_step"] == committed["after_step"]
     assert not misses(fresh)
 
 
@@ -89,18 +109,26 @@ def test_grid_point_simulates_again_to_the_committed_bytes(resimulated, name):
 def test_the_steps_collectives_are_the_formulas(resimulated, name):
     """FSDP2 all-gathers every layer twice and the root once in the compute dtype, and
     reduce-scatters every gradient in fp32: the logged bytes, sent over a ring, are
-    communication_bytes with separate parameter and reduction dtypes (to FSDP's padding)."""
-    r, n = resimulated[name], 8
+    communication_bytes with separate parameter and reduction dtypes (to FSDP's padding). On a
+    2-D mesh FSDP runs over ranks / tp, on each tp rank's half of every decoder layer (the root
+    whole), and tensor parallelism adds its all-reduces."""
+    r = resimulated[name]
+    tp = r.get("tp", 1)
+    n = r["ranks"] // tp
     pb = 2 if r["precision"] == "bf16" else 4
     gathers = r["collectives"][f"all_gather {'bfloat16' if pb == 2 else 'float32'} over {n}"]
     scatters = r["collectives"][f"reduce_scatter float32 over {n}"]
     layers = LLAMA_CONFIGS["1b"]["num_hidden_layers"]
     assert (gathers["count"], scatters["count"]) == (2 * layers + 1, layers + 1)
-    root = llama_parts(LLAMA_CONFIGS["1b"])["root"]
-    want = communication_bytes(r["num_params"], n, 3, param_bytes=pb, reduce_bytes=4,
-                               gathered_once=root)
+    parts = llama_parts(LLAMA_CONFIGS["1b"])
+    params = layers * parts["layer"] // tp + parts["root"]
+    assert params == r["num_params"] if tp == 1 else params < r["num_params"]
+    want = communication_bytes(params, n, 3, param_bytes=pb, reduce_bytes=4,
+                               gathered_once=parts["root"])
     sent = (n - 1) / n * (gathers["bytes"] + scatters["bytes"])
     assert 0 <= sent - want < 1e-4 * want
+    assert any(k.startswith("all_reduce") and k.endswith(f"over {tp}")
+               for k in r["collectives"]) == (tp > 1)
 
 
 def test_torch_counts_the_flops_of_the_formulas():
