@@ -1,11 +1,14 @@
 """Chapter 06's recipe beyond what the notebook runs: bad input of train_llama.py and corpus.py
-(in this process, before any process group), the data cache (corpus.py), a compiled run resumed
-from a checkpoint at its last step, and a fine-tune of its export with the cluster options, in
-one 2-process launch that a NaN stops. The notebook (nbval) runs the recipe for real on 2 processes,
-on 1 process preempted by SIGTERM, and resumed on two rehearsal "nodes", and asserts the
-held-out loss against the unigram baseline, the parity across world sizes and the export's loss.
-Every option in --help is passed by some run here or in the notebook (test_every_option_runs):
-each launch costs ~15 CPU-s of imports, so the few launches pass many options at once."""
+(in this process, before any process group), the data cache and its formats (corpus.py), a
+compiled run resumed from a checkpoint at its last step, a fine-tune of its export with the
+cluster options that a NaN stops, and the faults a cluster brings, injected from outside the
+script (a wrapper runs it unchanged, as the 2026-11 review did): a SIGTERM during start-up, a
+rank SIGKILLed between saves, a bad update at a save step, the corpus staged elsewhere. The
+notebook (nbval) runs the recipe for real on 2 processes, on 1 process preempted by SIGTERM,
+and resumed on two rehearsal "nodes". Every option in --help is passed by some run here, in the
+notebook or in tests/test_ch06_recipe.py (test_every_option_runs): each launch costs ~10 CPU-s
+of imports, so the few launches pass many options at once, and each asserts what its options
+did (run.json: the FSDP settings in effect, one step's collectives and norms)."""
 import ast
 import json
 import math
@@ -33,30 +36,78 @@ BAD_INPUT = [
     (["--batch-size", "0"], {}, "--batch-size, --micro-batch, --eval-every, --log-every and"),
     (["--replicate", "2"], {"WORLD_SIZE": "3"}, "--replicate 2 must divide the 3 ranks"),
     (["--compile", "--ac", "full"], {}, "--compile with --ac: not combined"),
-    (["--batch-size", "24"], {"WORLD_SIZE": "2"}, "must be a multiple of 2 ranks x --micro-batch 8"),
+    (["--batch-size", "24"], {"WORLD_SIZE": "2"},
+     "must be a multiple of 2 ranks x --micro-batch 8"),
     (["--vocab-size", "100"], {}, "--vocab-size must be >= 257"),
     (["--min-lr", "0.1"], {}, "need 0 <= --min-lr <= --lr"),
     (["--keep", "1"], {}, "--keep >= 2"),
-    (["--text", "/no/such.txt"], {}, "--text: no such file /no/such.txt"),
+    (["--data", "/no/such.txt"], {}, "--data: no such file /no/such.txt"),
+    (["--text", "/no/such.txt"], {}, "--data: no such file /no/such.txt"),  # the older name
     (["--model-path", "/no/such/model"], {}, "--model-path: no config.json in /no/such/model"),
     (["--eval-sequences", "0"], {}, "--eval-sequences must be >= 1"),
     (["--max-steps", "10"], {}, "--warmup must be less than --max-steps 10"),
     (["--cpu-offload"], {"COURSE_DEVICE": "cpu"}, "--cpu-offload needs a GPU"),
     (["--preset", "llama-70b"], {}, "invalid choice: 'llama-70b'"),
+    (["--profile-step", "0"], {}, "--profile-step must be >= 1"),
+    (["--resume", "--overwrite"], {}, "--resume continues OUT's run, --overwrite deletes it"),
 ]
 
 
 @pytest.mark.parametrize("args, env, message", BAD_INPUT)
-def test_bad_input_one_line_error(monkeypatch, capsys, args, env, message):
-    status, _, err = run_in_process(monkeypatch, capsys, SCRIPT, *args, env=env)
+def test_bad_input_one_line_error(monkeypatch, capsys, tmp_path, args, env, message):
+    status, _, err = run_in_process(monkeypatch, capsys, SCRIPT, "--out", tmp_path / "o", *args,
+                                    env=env)
     assert status == 2 and message in err.strip().splitlines()[-1]
 
 
-def test_tensorboard_is_optional(monkeypatch, capsys):
+def test_tensorboard_is_optional(monkeypatch, capsys, tmp_path):
     """--tensorboard without the package: one line that says what to install."""
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
-    status, _, err = run_in_process(monkeypatch, capsys, SCRIPT, "--tensorboard")
+    status, _, err = run_in_process(monkeypatch, capsys, SCRIPT, "--tensorboard", "--out",
+                                    tmp_path)
     assert status == 2 and "pip install tensorboard" in err.strip().splitlines()[-1]
+
+
+def test_refuses_to_start_over_a_previous_run(monkeypatch, capsys, tmp_path):
+    """F10: without --resume, a run into an --out that holds a previous run's metrics or
+    checkpoints would delete them (the metrics at once, the checkpoints at its first save):
+    it refuses, in one line; --resume or --overwrite (said out loud) pass."""
+    (tmp_path / "checkpoints" / "step_000004").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000006.tmp").mkdir()  # not committed: not counted
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    status, _, err = run_in_process(monkeypatch, capsys, SCRIPT, "--out", tmp_path)
+    assert status == 2 and err.strip().splitlines()[-1].endswith(
+        f"--out {tmp_path} holds a previous run (metrics.jsonl, 1 checkpoint(s), the newest of "
+        "step 4): --resume continues it, --overwrite starts over and deletes it, or choose "
+        "another --out")
+    for flag in ("--resume", "--overwrite"):  # past the checks: setup() wants torchrun
+        status, _, _ = run_in_process(monkeypatch, capsys, SCRIPT, "--out", tmp_path, flag)
+        assert "not started by torchrun" in str(status)
+    assert (tmp_path / "metrics.jsonl").exists()  # nothing deleted by the checks
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("a.jsonl", '{"body": "x"}\n', "a.jsonl: its first record has no field 'text' (--text-field)"),
+    ("b.parquet", "PAR1", "b.parquet: reading parquet needs the pyarrow package"),
+    ("c", None, "c: a folder, but not one that datasets' save_to_disk wrote"),
+    ("d", "dataset_info.json", "d: reading dataset needs the datasets package"),
+])
+def test_data_formats_refused_in_one_line(monkeypatch, capsys, tmp_path, name, content,
+                                          message):
+    """--data: a record without the field, or a format whose optional library is missing
+    (pyarrow, datasets: not course dependencies), is one line that says what to do."""
+    for module in ("pyarrow", "pyarrow.parquet", "datasets"):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    path = tmp_path / name
+    if content is None or content.endswith(".json"):
+        path.mkdir()
+        if content:
+            (path / content).write_text("{}")
+    else:
+        path.write_text(content)
+    status, _, err = run_in_process(monkeypatch, capsys, SCRIPT, "--data", path, "--out",
+                                    tmp_path / "o")
+    assert status == 2 and f"--data: {tmp_path}/{message}" in err.strip().splitlines()[-1]
 
 
 def test_corpus_cache(tmp_path, monkeypatch, capsys):
@@ -78,26 +129,79 @@ def test_corpus_cache(tmp_path, monkeypatch, capsys):
     counts = torch.bincount(torch.from_numpy(ids.astype(np.int64)), minlength=300).double() + 1
     expected = -(counts / counts.sum()).log()[heldout[:, 1:].flatten().long()].mean()
     assert corpus.unigram_loss(folder, heldout) == pytest.approx(expected.item())
-    # --text: one piece per 1 KB line here; piece 19 (held out) has a word no other piece has,
-    # and the BPE, trained before on the other pieces only, has no token for any part of it
+    # --data, a text file: one piece per 1 KB line here; piece 19 (held out) has a word no other
+    # piece has, and the BPE, trained before on the other pieces only, has no token for it
     lines = ["the cat sat on the mat. " * 43 + "\n"] * 40
     lines[19] = "zyzzyva " * 130 + "\n"
     (tmp_path / "a.txt").write_text("".join(lines))
-    mine = corpus.prepare(tmp_path, vocab_size=300, files=[tmp_path / "a.txt"])
+    mine = corpus.prepare(tmp_path, vocab_size=300, paths=[tmp_path / "a.txt"])
     tok, (train, heldout) = corpus.tokenizer(mine), corpus.load(mine, 32)
     assert mine.name.startswith("text-")
     assert "cat sat on the mat" in tok.decode(train[0].tolist())
     assert "zyzzyva" in tok.decode(heldout[0].tolist())
     assert not [t for t in tok.get_vocab() if "zz" in t or "yv" in t]
-    (tmp_path / "a.txt").write_text("".join(lines[:30]))  # changed: another size, another key
-    assert corpus.cache_key([tmp_path / "a.txt"], 300, None) != mine.name.split("-")[1]
+    # F11: the same file staged elsewhere (another folder, a new mtime) has the same key ...
+    (tmp_path / "scratch").mkdir()
+    shutil.copy(tmp_path / "a.txt", tmp_path / "scratch" / "a.txt")
+    assert corpus.cache_key([tmp_path / "scratch" / "a.txt"], 300, None) == mine.name[5:]
+    # ... a changed one, another
+    (tmp_path / "a.txt").write_text("".join(lines[:30]))
+    assert corpus.cache_key([tmp_path / "a.txt"], 300, None) != mine.name[5:]
     status, _, err = run_in_process(monkeypatch, capsys, "ch06_capstone/corpus.py",
                                     "--vocab-size", "10")
     assert status == 2 and "--vocab-size >= 257" in err
 
 
+def write_jsonl(path, field="text", records=400):
+    """Python's reference docs as JSON Lines, a paragraph per record (~0.4 MB): a corpus of many
+    short documents, as a team's data usually is."""
+    from pydoc_data.topics import topics
+    paragraphs = [p for name in sorted(topics) for p in topics[name].split("\n\n") if p.strip()]
+    path.write_text("".join(json.dumps({field: p, "id": i}) + "\n"
+                            for i, p in enumerate(paragraphs[:records])))
+    return paragraphs[:records]
+
+
+def test_jsonl_records_held_out_whole(tmp_path):
+    """F9 for record formats: every 20th record is held out whole (its pieces too), so the
+    held-out loss is measured on documents the model never saw a part of. Text files: by piece."""
+    paragraphs = write_jsonl(tmp_path / "d.jsonl", field="body")
+    (tmp_path / "e.txt").write_text("a\n" * 15000)  # a text file: 29 pieces of ~1 KB
+    paths = [tmp_path / "d.jsonl", tmp_path / "e.txt"]
+    held = list(corpus.split_pieces(paths, held=True, field="body"))
+    train = list(corpus.split_pieces(paths, field="body"))
+    docs = {d for d, _ in held}
+    whole = [paragraphs[d] for d in sorted(docs) if d < len(paragraphs)]
+    assert whole == paragraphs[19::20]  # records 19, 39, ...: each held out whole
+    assert not docs & {d for d, _ in train if d < len(paragraphs)}
+    text_doc = len(paragraphs)  # the text file is a document of both sides, piece by piece
+    assert text_doc in docs and text_doc in {d for d, _ in train}
+    folder = corpus.prepare(tmp_path / "cache", 300, paths=paths, field="body")
+    facts = corpus.facts(folder)
+    assert facts["documents"] == len(paragraphs) + 1
+    assert corpus.load(folder, 32)[1].shape[0] > 0
+
+
+def test_token_cache_built_once_per_job(tmp_path, monkeypatch):
+    """F6: only global rank 0 builds the cache, not the first rank of every node (N nodes would
+    tokenize the corpus N times over, on the shared file system); the others wait for its
+    index.json, without a collective that a long tokenization could time out."""
+    import torch.distributed as dist
+    folder = corpus.prepare(tmp_path, 300)  # (what rank 0 left, here built beforehand)
+    built = []
+    monkeypatch.setattr(corpus, "prepare", lambda *a, **k: built.append(a) or folder)
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    # global rank 8: LOCAL_RANK 0 of the second node of 8 GPUs
+    assert corpus.prepare_on_ranks(8, tmp_path, 300) == folder and built == []
+    assert corpus.prepare_on_ranks(0, tmp_path, 300) == folder and len(built) == 1
+
+
 def rows_of(folder):
     return [json.loads(r) for r in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_info(folder):
+    return json.loads((folder / "run.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -118,46 +222,129 @@ def exported(tmp_path_factory):
 
 def test_resume_from_the_last_step(exported):
     """A job requeued after its last checkpoint (at the last step) resumes, trains nothing,
-    and exports; no other run reaches that branch."""
+    and exports; no other run reaches that branch. The last save was checked by one more
+    forward and backward (no step) before its commit: the compiled run reached its end."""
     tmp, args = exported
     rows = rows_of(tmp / "run")
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["eval_loss"] < rows[0]["eval_loss"]
+    assert run_info(tmp / "run")["compile"] == "aot_eager"
+    assert "first_step" not in run_info(tmp / "run")  # not counted: the graphs would break
     proc = run_ok(1, SCRIPT, *args, "--resume", timeout=600)
     assert "resumed from step_000002: step 2 of 2" in proc.stdout
     assert "exported to" in proc.stdout
     assert rows_of(tmp / "run") == rows  # nothing trained, nothing logged twice
 
 
-def test_fine_tune_with_cluster_options_until_a_nan(exported):
+# Faults from outside: this wrapper runs train_llama.py unchanged (runpy), with a fault placed by
+# environment variables "RANK:N" (the review's injection methods). Hooks, not script changes: the
+# script has no test hook, so what it does here is what it does on a cluster.
+INJECT = r"""
+import os, runpy, signal, sys, threading
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from transformers import LlamaForCausalLM
+sys.path.insert(0, os.path.join(os.environ["CODE"], "ch06_capstone"))
+import corpus
+import distkit.ckpt
+
+RANK = int(os.environ["RANK"])
+def at(name):  # "RANK:N" -> N on that rank, else None
+    value = os.environ.get(name, "")
+    return int(value.split(":")[1]) if value and int(value.split(":")[0]) == RANK else None
+
+nan_loss, bad_update, kill = at("NAN_LOSS_AT"), at("BAD_UPDATE_AT"), at("KILL_AT")
+count = {"forward": 0, "step": 0}
+forward = LlamaForCausalLM.forward
+def poisoned(self, *args, **kwargs):  # training forward number N returns a NaN loss
+    out = forward(self, *args, **kwargs)
+    if self.training:
+        count["forward"] += 1
+        if count["forward"] == nan_loss:
+            out.loss = out.loss * float("nan")
+    return out
+LlamaForCausalLM.forward = poisoned
+
+def after_step(optimizer, args, kwargs):  # after this process's AdamW step N
+    if all(group["lr"] == 0 for group in optimizer.param_groups):
+        return  # not training: DCP's load initialises AdamW's state with a step at LR 0
+    count["step"] += 1
+    if count["step"] == bad_update:  # one element of this rank's first shard becomes NaN
+        with torch.no_grad():
+            p = optimizer.param_groups[0]["params"][0]
+            (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] = float("nan")
+    if count["step"] == kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+register_optimizer_step_post_hook(after_step)
+
+if at("TERM_AT_START") is not None:  # a preemption while the token cache is prepared
+    prepare = corpus.prepare_on_ranks
+    def preempted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return prepare(*args, **kwargs)
+    corpus.prepare_on_ranks = preempted
+
+if os.environ.get("HASH_LOG"):  # which thread reads back and hashes each checkpoint file
+    sha256 = distkit.ckpt._sha256
+    def logged(path):
+        with open(f"{os.environ['HASH_LOG']}.{RANK}", "a") as f:
+            f.write(f"{threading.current_thread().name} {path.name}\n")
+        return sha256(path)
+    distkit.ckpt._sha256 = logged
+
+script = os.path.join(os.environ["CODE"], "ch06_capstone", "train_llama.py")
+sys.argv[0] = script
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def inject(tmp_path_factory):
+    path = tmp_path_factory.mktemp("inject") / "inject_train_llama.py"
+    path.write_text(INJECT)
+    return path
+
+
+def faulty(inject, nproc, *args, **faults):
+    """Launch train_llama.py through the fault-injecting wrapper."""
+    return run_launcher(nproc, inject, *args, env={"CODE": str(CODE), **faults}, timeout=600)
+
+
+def test_fine_tune_with_cluster_options_until_a_nan(exported, inject):
     """One 2-process launch: a fine-tune of the export (--model-path: its weights, config and
-    tokenizer) on --text for a fifth of an epoch, with HSDP (2 replicas), selective AC,
-    asynchronous saves at every step, bf16, no reshard after forward, a reduce-scatter per
-    micro-batch and rows every 2 steps. A NaN injected into step 4's loss stops it before the
-    optimizer step: exit status 3, named on stderr, no checkpoint of step 4, the step-3 one
-    whole (its manifest), and the held-out loss had fallen (it learns the text)."""
+    tokenizer) on --data for a fifth of an epoch, with selective AC, asynchronous saves at every
+    step, bf16, no reshard after forward, a reduce-scatter per micro-batch and rows every 2
+    steps. What those options did is asserted from run.json: all-gathers A(L+1), reduce-scatters
+    A(L+1) for A = 2 micro-batches and L + 1 = 5 FSDP units (C4/M6); the clipped norm within
+    --clip; AdamW's betas and weight decay. Then rank 1's loss turns NaN at step 4 (its forward
+    7): every rank stops before the optimizer step, step 3's save (which may hold the update
+    that led here) is discarded, OUT/failed.json says why, each rank exits 3 and torchrun 1
+    (F1); the held-out loss had fallen (it learns the text)."""
     tmp, _ = exported
     (tmp / "mine.txt").write_text(("the cat sat on the mat. " * 43 + "\n") * 20)  # 20 pieces
     out = tmp / "tuned"
-    proc = run_launcher(
-        2, SCRIPT, "--model-path", tmp / "base", "--text", tmp / "mine.txt", "--data-dir",
+    proc = faulty(
+        inject, 2, "--model-path", tmp / "base", "--data", tmp / "mine.txt", "--data-dir",
         tmp / "data", "--out", out, "--seq-len", "32", "--batch-size", "8", "--micro-batch", "2",
         "--epochs", "0.2", "--warmup", "1", "--eval-every", "2", "--eval-sequences", "4",
-        "--save-every", "1", "--keep", "2", "--no-progress", "--no-export", "--replicate", "2",
+        "--save-every", "1", "--keep", "2", "--no-progress", "--no-export",
         "--ac", "selective", "--async-save", "--reshard-after-forward", "0", "--precision",
         "bf16", "--sync-every-microbatch", "--lr", "1e-3", "--min-lr", "1e-4",
         "--weight-decay", "0.05", "--betas", "0.9", "0.99", "--clip", "0.5", "--seed", "1",
-        "--peak-tflops", "100", "--timeout", "120", "--log-every", "2",
-        env={"TRAIN_LLAMA_NAN_AT_STEP": "4"}, timeout=600)
-    assert proc.returncode != 0, proc.stdout
-    assert ("non-finite loss nan or gradient norm nan at step 4: stopped without saving; newest "
-            "good checkpoint: step_000003") in proc.stderr, proc.stderr
-    assert "bf16" in proc.stdout and "HSDP: 2 replicas x 1 shards" in proc.stdout
+        "--peak-tflops", "100", "--timeout", "120", "--log-every", "2", NAN_LOSS_AT="1:7")
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # torchrun's, whatever the ranks'
+    assert "failed first (exit code 3)" in proc.stdout + proc.stderr  # the ranks' own (F1)
+    assert ("non-finite loss nan or gradient norm nan at step 4: stopped before the optimizer "
+            "step; step 3's save discarded (it may hold the update that led here); newest "
+            "checkpoint: step_000002; each rank exits with status 3") in proc.stderr, proc.stderr
+    assert json.loads((out / "failed.json").read_text()) == {
+        "reason": "non-finite", "step": 4, "retry": False, "newest_checkpoint": "step_000002"}
+    assert "bf16" in proc.stdout
     n = int(re.search(r"(\d+) training sequences", proc.stdout)[1])
     steps = round(0.2 * (n // 8))  # --epochs 0.2 of n // 8 steps
     assert steps > 4 and (f"this run: {steps} optimizer steps x 8 sequences = "
                           f"{steps * 8 / n:.3g} epoch(s)") in proc.stdout
     ckpt = CheckpointDir(out / "checkpoints")
-    assert [p.name for p in ckpt.committed()] == ["step_000002", "step_000003"]
+    assert [p.name for p in ckpt.committed()] == ["step_000001", "step_000002"]
     assert ckpt.problem(ckpt.committed()[-1]) is None
     assert not list(ckpt.root.glob("*.tmp"))
     rows = rows_of(out)
@@ -165,6 +352,125 @@ def test_fine_tune_with_cluster_options_until_a_nan(exported):
     assert math.isfinite(rows[1]["loss"]) and math.isfinite(rows[1]["grad_norm"])
     assert rows[1]["eval_loss"] < rows[0]["eval_loss"]  # it learns the cat
     assert not (out / "hf").exists()
+    info = run_info(out)
+    units, micro = info["fsdp"]["units"], info["micro_batches"]
+    assert (units, micro, info["fsdp"]["reshard_after_forward"], info["sync_every_microbatch"],
+            info["fsdp"]["param_dtype"], info["ac"]) == (5, 2, False, True, "bfloat16",
+                                                          "selective")
+    counted = info["first_step"]["collectives"]
+    assert (counted["all_gather"], counted["reduce_scatter"]) == (micro * units, micro * units)
+    assert info["first_step"]["grad_norm"] > 0.5  # clipping was needed ...
+    assert info["first_step"]["grad_norm_clipped"] == pytest.approx(0.5, rel=1e-3)  # ... and done
+    assert [(g["betas"], g["weight_decay"]) for g in info["adamw"]] == [
+        ([0.9, 0.99], 0.05), ([0.9, 0.99], 0.0)]
+
+
+def test_preempted_during_start_up(tmp_path, inject):
+    """F7: the handler is installed before the slow start-up (data, model, weights, resume). A
+    SIGTERM while the token cache is prepared stops the run at its first step, with a
+    checkpoint and stopped.json, instead of killing it. --overwrite: a previous run's files in
+    --out are deleted, as asked."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_000009").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 9}\n')
+    proc = faulty(inject, 1, "--data-dir", tmp_path / "data", "--out", out, "--vocab-size", "300",
+                  "--seq-len", "32", "--batch-size", "4", "--micro-batch", "4", "--max-steps",
+                  "4", "--warmup", "1", "--eval-sequences", "4", "--no-progress",
+                  "--overwrite", TERM_AT_START="0:0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "stopped by SIGTERM after step 1; checkpoint saved" in proc.stdout
+    assert json.loads((out / "stopped.json").read_text()) == {"signal": "SIGTERM", "step": 1}
+    assert [p.name for p in CheckpointDir(out / "checkpoints").committed()] == ["step_000001"]
+    assert [r["step"] for r in rows_of(out)] == [0, 1]  # the old run's row 9 is gone
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory, inject):
+    """Three 2-rank launches into one --out, HSDP (2 replicas, as the Slurm template runs it),
+    asynchronous saves every 5 steps, on a JSONL corpus (field "body"):
+    1. rank 1 is SIGKILLed after step 9, four steps after step 5's save began;
+    2. --resume, and rank 1's update of step 10 (a save step) writes a NaN into a weight:
+       step 11's loss is NaN;
+    3. --resume with the corpus staged in another folder (a copy: new path, new mtime), to the
+       end (step 15)."""
+    tmp = tmp_path_factory.mktemp("chaos")
+    write_jsonl(tmp / "corpus.jsonl", field="body")
+    out, hashes = tmp / "run", tmp / "hashes"
+    common = ["--data-dir", tmp / "data", "--out", out, "--text-field", "body", "--vocab-size",
+              "300", "--seq-len", "32", "--batch-size", "4", "--micro-batch", "2",
+              "--max-steps", "15", "--warmup", "2", "--eval-every", "6", "--eval-sequences", "4",
+              "--save-every", "5", "--keep", "3", "--async-save", "--replicate", "2",
+              "--no-progress", "--no-export"]
+    first = faulty(inject, 2, "--data", tmp / "corpus.jsonl", *common, KILL_AT="1:9",
+                   HASH_LOG=str(hashes))
+    after_kill = [p.name for p in CheckpointDir(out / "checkpoints").committed()]
+    second = faulty(inject, 2, "--data", tmp / "corpus.jsonl", *common, "--resume",
+                    BAD_UPDATE_AT="1:5")
+    after_nan = [p.name for p in CheckpointDir(out / "checkpoints").committed()]
+    rows_second, failed = rows_of(out), json.loads((out / "failed.json").read_text())
+    (tmp / "scratch").mkdir()
+    shutil.copy(tmp / "corpus.jsonl", tmp / "scratch" / "corpus.jsonl")
+    third = run_launcher(2, SCRIPT, "--data", tmp / "scratch" / "corpus.jsonl", *common,
+                         "--resume", timeout=600)
+    return {"tmp": tmp, "out": out, "hashes": hashes, "runs": (first, second, third),
+            "after_kill": after_kill, "after_nan": after_nan, "rows_second": rows_second,
+            "failed": failed}
+
+
+def test_a_save_is_committed_once_written_not_at_the_next_save(chaos):
+    """F12: step 5's checkpoint is committed at the first step whose all-reduce says every
+    rank's upload is done, so a crash at step 9 (before step 10's save) keeps it; committed
+    only at the next save, as before, it was lost with the crash."""
+    first = chaos["runs"][0]
+    assert first.returncode == 1 and "rank 1 failed first (killed by SIGKILL)" in first.stderr
+    assert chaos["after_kill"] == ["step_000005"]
+
+
+def test_checkpoint_hashing_is_off_the_training_thread(chaos):
+    """F5: each rank reads back and hashes its checkpoint files in a thread of its own (the
+    commit then only gathers the results); nothing is hashed in the training thread."""
+    lines = [ln.split() for r in (0, 1) for ln in
+             Path(f"{chaos['hashes']}.{r}").read_text().splitlines()]
+    assert lines and {thread for thread, _ in lines} != {"MainThread"}
+    assert not [name for thread, name in lines if thread == "MainThread"]
+    assert {name for _, name in lines} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
+
+
+def test_a_bad_update_at_a_save_step_never_becomes_the_newest_checkpoint(chaos):
+    """F13: the update of step 10 (a save step) is bad; step 11's NaN shows it. The save of
+    step 10 was not committed yet (that waits for a finite later step): it is discarded, the
+    newest checkpoint stays step 5's, and --resume continues from there to the end."""
+    _, second, third = chaos["runs"]
+    assert "resumed from step_000005: step 5 of 15" in second.stdout
+    assert second.returncode == 1 and "failed first (exit code 3)" in second.stdout + second.stderr
+    assert ("non-finite loss nan or gradient norm nan at step 11: stopped before the optimizer "
+            "step; step 10's save discarded (it may hold the update that led here); newest "
+            "checkpoint: step_000005") in second.stderr, second.stderr
+    assert chaos["after_nan"] == ["step_000005"]
+    assert chaos["failed"] == {"reason": "non-finite", "step": 11, "retry": False,
+                               "newest_checkpoint": "step_000005"}
+    # F11: the corpus staged elsewhere (another path, another mtime): same cache, same run
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "resumed from step_000005: step 5 of 15" in third.stdout
+    assert len(list((chaos["tmp"] / "data").glob("text-*"))) == 1  # tokenized once
+    assert not (chaos["out"] / "failed.json").exists()
+    rows = rows_of(chaos["out"])
+    train = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert sorted(train) == list(range(1, 16))
+    # steps 6-10 of the failed attempt (before the bad update showed) = the resumed run's
+    before = {r["step"]: r["loss"] for r in chaos["rows_second"] if "loss" in r}
+    assert [before[s] for s in range(6, 11)] == [train[s] for s in range(6, 11)]
+    assert [p.name for p in CheckpointDir(chaos["out"] / "checkpoints").committed()] == [
+        "step_000005", "step_000010", "step_000015"]
+
+
+def test_async_saves_reuse_one_pinned_host_copy(chaos):
+    """F4: the capstone's async saves go through distkit's Stager, made once: the second save
+    refills the host copy the first one allocated (on a GPU: pinned memory, copied without
+    blocking the step), instead of a fresh pageable copy per save."""
+    staged = run_info(chaos["out"])["staged_host_bytes"]
+    assert len(staged) == 2  # the resumed run's saves, of steps 10 and 15
+    assert staged[0]["bytes"] > 0 and all(s["reused"] == s["bytes"] for s in staged[1:])
 
 
 # Options no run here can pass, and why (each still has its bad-input or message test)

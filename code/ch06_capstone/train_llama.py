@@ -609,7 +609,8 @@ def fail_nonfinite(loss: float, gnorm: float, step: int) -> None:
         with contextlib.suppress(Exception):
             pending["written"].result()  # its writes must end before its folder goes
         ckpt.discard(pending["step"])
-        discarded = f"step {pending['step']}'s save discarded (it holds that update); "
+        discarded = (f"step {pending['step']}'s save discarded (it may hold the update that "
+                     "led here); ")
         pending = None
     newest = (ckpt.committed() or [None])[-1]  # (rank 0's listing is the one printed)
     why = (f"non-finite loss {loss} or gradient norm {gnorm} at step {step}: stopped before the "

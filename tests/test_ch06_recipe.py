@@ -1,0 +1,109 @@
+"""Chapter 06's standalone recipe (code/ch06_capstone/fsdp2_recipe.py: no distkit, one file) gives
+the same losses as train_llama.py for the same settings, and resumes from its own checkpoint on
+another world size; and what train_llama.py's defaults do, observed in its run.json (FSDP2's
+reshard after forward: 2L + 1 all-gathers per micro-batch; one reduce-scatter per unit and step;
+the clipped norm; AdamW's groups) and in its profiler traces (--profile-step: one per rank).
+
+Budget: one 2-rank launch of each script at once (~10 CPU-s each, mostly imports), then a
+1-rank resume of the recipe; the token cache is built in this process (pydoc, vocabulary 300)."""
+import json
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import CODE, run_in_process, run_ok
+
+sys.path.insert(0, str(CODE / "ch06_capstone"))
+import corpus  # noqa: E402
+
+SETTINGS = ["--seq-len", "32", "--batch-size", "8", "--micro-batch", "2", "--max-steps", "6",
+            "--warmup", "2", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("recipe")
+    tokens = corpus.prepare(tmp / "data", 300)
+    llama = ["ch06_capstone/train_llama.py", *SETTINGS, "--data-dir", tmp / "data",
+             "--vocab-size", "300", "--out", tmp / "llama", "--eval-every", "6",
+             "--eval-sequences", "4", "--no-progress", "--no-export", "--profile-step", "2"]
+    recipe = ["ch06_capstone/fsdp2_recipe.py", *SETTINGS, "--tokens", tokens, "--out",
+              tmp / "recipe", "--save-every", "3"]
+    with ThreadPoolExecutor(2) as pool:  # both at once: 4 processes on 2 cores, mostly imports
+        done = [pool.submit(run_ok, 2, *args, timeout=600) for args in (llama, recipe)]
+        procs = [d.result() for d in done]
+    return tmp, tokens, procs
+
+
+def losses(path):
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in map(json.loads, path.read_text()
+                                                                .splitlines()) if "loss" in r}
+
+
+def test_standalone_recipe_equals_train_llama(runs):
+    """Same data order, weights, sharding, micro-batches, clipping, AdamW and schedule: the same
+    losses and gradient norms at every step, to the last bit."""
+    tmp, _, _ = runs
+    ours, theirs = losses(tmp / "llama" / "metrics.jsonl"), losses(tmp / "recipe" / "losses.jsonl")
+    assert sorted(ours) == sorted(theirs) == list(range(1, 7))
+    assert ours == theirs
+
+
+def test_standalone_recipe_resumes_on_another_world_size(runs):
+    """Its DCP checkpoint of step 3 (2 ranks) loads on 1 rank, which trains steps 4-6 as the
+    2-rank run did (float noise: another reduction order)."""
+    tmp, tokens, _ = runs
+    shutil.copytree(tmp / "recipe", tmp / "resumed")
+    shutil.rmtree(tmp / "resumed" / "checkpoints" / "step_000006")
+    (tmp / "resumed" / "losses.jsonl").unlink()
+    proc = run_ok(1, "ch06_capstone/fsdp2_recipe.py", *SETTINGS, "--tokens", tokens, "--out",
+                  tmp / "resumed", "--resume", timeout=600)
+    assert "resumed from step 3" in proc.stdout
+    before, after = losses(tmp / "recipe" / "losses.jsonl"), losses(tmp / "resumed" / "losses.jsonl")
+    assert sorted(after) == [4, 5, 6]
+    assert max(abs(before[s][0] - after[s][0]) for s in after) < 1e-5
+
+
+def test_defaults_observed(runs):
+    """M6/C4: the defaults do what --help says. reshard_after_forward: each of the L = 4 layers
+    is gathered again in backward, 2L + 1 = 9 all-gathers per micro-batch (the root stays
+    gathered), 18 for A = 2; gradients reduce-scattered once per step, one per FSDP unit; the
+    gradient norm clipped to --clip 1.0; AdamW's betas (0.9, 0.95), decay 0.1 on matrices only."""
+    tmp, _, _ = runs
+    info = json.loads((tmp / "llama" / "run.json").read_text())
+    fsdp, micro = info["fsdp"], info["micro_batches"]
+    assert (fsdp["reshard_after_forward"], fsdp["units"], fsdp["mesh"], micro,
+            info["sync_every_microbatch"], fsdp["param_dtype"]) == (True, 5, [2], 2, False,
+                                                                   "float32")
+    layers = fsdp["units"] - 1
+    counted = info["first_step"]["collectives"]
+    assert counted["all_gather"] == micro * (2 * layers + 1) == 18
+    assert counted["reduce_scatter"] == layers + 1
+    assert info["first_step"]["grad_norm"] > 1.0
+    assert info["first_step"]["grad_norm_clipped"] == pytest.approx(1.0, rel=1e-4)
+    assert [(g["betas"], g["weight_decay"]) for g in info["adamw"]] == [([0.9, 0.95], 0.1),
+                                                                         ([0.9, 0.95], 0.0)]
+
+
+def test_profile_step_writes_a_trace_per_rank(runs):
+    """--profile-step 2: a Chrome/Perfetto trace per rank, with FSDP's all-gathers in it (one
+    per unit and micro-batch, as counted above) beside the matmuls."""
+    tmp, _, _ = runs
+    for rank in (0, 1):
+        trace = json.loads((tmp / "llama" / "profile" / f"rank{rank}.pt.trace.json").read_text())
+        names = [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"]
+        gathers = [n for n in names if n.startswith("FSDP::all_gather (") or n == "FSDP::all_gather"]
+        assert len([n for n in gathers if n != "FSDP::all_gather"]) == 2 * 2 * 4  # layers
+        assert "aten::mm" in names
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tokens", "/no/such"], "--tokens: no train.bin in /no/such"),
+    (["--tokens", ".", "--batch-size", "6"], "--batch-size must be a multiple of 2 ranks"),
+])
+def test_recipe_bad_input(monkeypatch, capsys, args, message):
+    status, _, err = run_in_process(monkeypatch, capsys, "ch06_capstone/fsdp2_recipe.py", *args,
+                                    env={"WORLD_SIZE": "2"})
+    assert status == 2 and message in err.strip().splitlines()[-1]
