@@ -110,6 +110,20 @@ print-%:  # the value of a variable: make -s print-LAB_COMMAND
 gpu-smoke: setup
 	$(BIN)/python -m distkit.course.gpu_smoke $(if $(FIT),--fit)
 
+# The capstone's script tests on another torch (a cluster's module is often 2.11 or 2.12): a venv
+# of its own, build/venv-torch-VERSION, with the course's other pins. A GB-sized download and
+# minutes of tests: not in make test or CI. make test-torch TORCH_VERSION=2.11.0 (the default).
+TORCH_VERSION ?= 2.11.0
+TORCH_VENV = build/venv-torch-$(TORCH_VERSION)
+.PHONY: test-torch
+test-torch:
+	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	grep -v '^torch==' requirements.txt > $(TORCH_VENV)/requirements.txt
+	$(TORCH_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+	  torch==$(TORCH_VERSION) -r $(TORCH_VENV)/requirements.txt
+	$(TORCH_VENV)/bin/python -m pytest -p no:cacheprovider tests/test_ch06_scripts.py \
+	  tests/test_ch06_recipe.py tests/test_ch06_slurm.py
+
 # The explanatory diagrams in images/ are drawn by code, so a diagram is fixed and redrawn.
 images: setup
 	$(BIN)/python -m distkit.course.diagrams
