@@ -68,7 +68,8 @@ policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.flo
 for layer in model.model.layers:
     fully_shard(layer, mp_policy=policy)
 fully_shard(model, mp_policy=policy)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.fused_adamw)
+# fused=None, not False: an explicit False also turns foreach off (torch/optim/adam.py, adam())
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.fused_adamw or None)
 tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda")
 
 
