@@ -24,7 +24,7 @@ ONE_RANK = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE
 # script, args, extra env -> (exit status, one text that must be in stderr or stdout)
 DIRECT = {
     "first_script_outside_torchrun": ("hello.py", [], {},
-                                      (1, "hello.py: start it with torchrun: "
+                                      (1, "hello.py: run it with "
                                           "code/run_w_torchrun.sh 2 ch00_collectives/hello.py")),
     "hello_outside_torchrun": ("hello_torchrun.py", [], {},
                                (1, "hello_torchrun.py: not started by torchrun; run it as: "

@@ -3,18 +3,18 @@
     code/run_w_torchrun.sh 2 ch00_collectives/hello.py
 """
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 if "RANK" not in os.environ:  # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT
-    sys.exit("hello.py: start it with torchrun: code/run_w_torchrun.sh 2 ch00_collectives/hello.py")
+    raise SystemExit("hello.py: run it with code/run_w_torchrun.sh 2 ch00_collectives/hello.py")
 gpu = torch.cuda.is_available()
 device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if gpu else torch.device("cpu")
 if gpu:
     torch.cuda.set_device(device)  # one GPU per process, before any CUDA work
-dist.init_process_group("nccl" if gpu else "gloo")  # wait for all WORLD_SIZE processes
+# join the group: wait for all WORLD_SIZE processes (NCCL does so only when given device_id)
+dist.init_process_group("nccl" if gpu else "gloo", device_id=device if gpu else None)
 rank, world_size = dist.get_rank(), dist.get_world_size()
 x = torch.tensor([rank + 1.0], device=device)  # rank 0 holds 1, rank 1 holds 2, ...
 dist.all_reduce(x)  # a collective: every rank calls it, every rank gets the sum
