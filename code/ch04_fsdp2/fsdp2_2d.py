@@ -180,7 +180,8 @@ for layout in layouts:
     at_rest = [None] * env.world_size
     dist.all_gather_object(at_rest, local_bytes(model))
     diff = max(abs(a - b) for a, b in zip(losses, reference))
-    results[layout] = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "losses": losses, "max_loss_diff": diff,
+    results[layout] = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "losses": losses,
+                       "max_loss_diff": diff,
                        "parity": diff < LOSS_TOL, "collectives": by_mesh_dim(log, mesh),
                        "param_bytes_per_rank": at_rest,
                        "param_bytes_predicted": predicted[layout][0],

@@ -48,14 +48,18 @@ CONFIGS = {  # name: what differs from "fsdp2" (fully_shard per decoder layer, t
     "clip": "clip_grad_norm_(max_norm=0.1) on DTensor gradients",
     "offload": "CPUOffloadPolicy: shards, gradients and AdamW on the CPU (GPU only)",
 }
-DEFAULT = [c for c in CONFIGS if c != "offload"]  # offloading to the CPU needs a GPU to offload from
+DEFAULT = [c for c in CONFIGS if c != "offload"]  # offloading needs a GPU to offload from
 PROFILED = {"fsdp2", "prefetch", "reshard-root"}  # the configurations whose FSDP units we print
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--configs", default=",".join(DEFAULT), help="comma list of " + ", ".join(CONFIGS))
+parser.add_argument("--configs", default=",".join(DEFAULT),
+                    help="comma list of " + ", ".join(CONFIGS))
 parser.add_argument("--layers", type=int, default=4, help="decoder layers")
 parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank and step")
 parser.add_argument("--steps", type=int, default=3, help="AdamW steps per configuration (>= 2)")
 parser.add_argument("--json", help="write every measurement here (rank 0)")
+parser.add_argument("--no-table", action="store_true",
+                    help="print the DTensor and one step's collectives only; the table of every "
+                         "configuration goes to the JSON (\"table\"), to be printed later")
 args = parser.parse_args()
 configs = args.configs.split(",")
 if unknown := [c for c in configs if c not in CONFIGS]:
@@ -88,7 +92,8 @@ def wrap(config: str, model):
     layers = list(model.model.layers)
     if config == "checkpoint":  # recompute each layer's activations in backward (before sharding)
         model.config.use_cache = False  # no KV cache to keep in training (else transformers warns)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if config == "bf16" else MixedPrecisionPolicy()
     # offload: the shards (and so AdamW) live in CPU memory; copied to the GPU to be gathered
@@ -211,7 +216,8 @@ def run(config: str) -> dict:
 
 
 def reference(clip: bool) -> tuple[list, list]:
-    """One process, the whole global batch, plain AdamW: the losses every configuration must give."""
+    """One process, the whole global batch, plain AdamW: the losses every configuration must
+    give."""
     model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses, ref_norms = [], []
@@ -270,7 +276,8 @@ dist.all_gather_object(every_rank, {c: r["held"] for c, r in results.items() if 
 
 # 2. One step of the default configuration, collective by collective (rank 0's view).
 if "fsdp2" in configs:
-    print0("\nfsdp2, step 2, in order: collective, bytes, FSDP unit (root = embeddings, norm, head)")
+    print0("\nfsdp2, step 2, in order: collective, bytes, FSDP unit "
+           "(root = embeddings, norm, head)")
     for c in results["fsdp2"]["collectives"]:
         who = (c["unit"] or "root") if c["fsdp_step"] else "(ours: the loss, averaged for the log)"
         when = ("backward" if c["backward"] else "forward") if c["fsdp_step"] else "after"
@@ -292,10 +299,11 @@ if "fsdp2" in configs:
                f"{total == 3 * 4 * psi}")
 
 # 3. Every configuration: collectives per step, bytes held at rest, parity.
-print0(f"\n{num_params:,} parameters; collectives in step 2: count and bytes; bytes each rank "
-       f"holds at rest (the largest over ranks), and their sum / DDP's")
-print0(f"{'config':13s}{'gathers':>8s}{'scatters':>9s}{'reduces':>8s}{'bytes':>11s}"
-       f"{'params':>10s}{'grads':>10s}{'AdamW':>11s}{'/ DDP':>7s}  losses match")
+table = []  # its lines: printed here, or with --no-table by whoever reads the JSON
+table.append(f"{num_params:,} parameters; collectives in step 2: count and bytes; bytes each "
+             f"rank holds at rest (the largest over ranks), and their sum / DDP's")
+table.append(f"{'config':13s}{'gathers':>8s}{'scatters':>9s}{'reduces':>8s}{'bytes':>11s}"
+             f"{'params':>10s}{'grads':>10s}{'AdamW':>11s}{'/ DDP':>7s}  losses match")
 for config in configs:
     res = results[config]
     count = {op: sum(c["op"] == op for c in res["collectives"])
@@ -308,21 +316,25 @@ for config in configs:
     tol = 1e-2 if config == "bf16" else 1e-5  # bf16 rounds every matmul's inputs
     res["losses_match"] = max(abs(a - b) for a, b in zip(res["losses"], want)) < tol
     vs = f"{res['vs_ddp']:7.3f}" if ddp else f"{'':7s}"
-    print0(f"{config:13s}{count['all_gather']:8d}{count['reduce_scatter']:9d}"
-           f"{count['all_reduce']:8d}{moved:11,d}{h['params']:10,d}{h['grads']:10,d}"
-           f"{h['optimizer']:11,d}{vs}  < {tol:g}: {res['losses_match']}")
+    table.append(f"{config:13s}{count['all_gather']:8d}{count['reduce_scatter']:9d}"
+                 f"{count['all_reduce']:8d}{moved:11,d}{h['params']:10,d}{h['grads']:10,d}"
+                 f"{h['optimizer']:11,d}{vs}  < {tol:g}: {res['losses_match']}")
 if "ddp" in configs and "fsdp2" in configs:
     ratio = results["fsdp2"]["vs_ddp"]
-    print0(f"fsdp2 holds 1/N = 1/{env.world_size} of DDP's bytes within 2%: "
-           f"{abs(ratio * env.world_size - 1) <= 0.02}; padding of the parameters (dim 0 rounded "
-           f"up to a multiple of N), per rank: {[r['fsdp2']['padding'] for r in every_rank]} B")
+    table.append(f"fsdp2 holds 1/N = 1/{env.world_size} of DDP's bytes within 2%: "
+                 f"{abs(ratio * env.world_size - 1) <= 0.02}; padding of the parameters (dim 0 "
+                 f"rounded up to a multiple of N), per rank: "
+                 f"{[r['fsdp2']['padding'] for r in every_rank]} B")
 if "offload" in configs:
     h = results["offload"]["held"]
-    print0(f"offload: bytes at rest in host memory {h['host']:,}, on the GPU {h['device']:,}")
+    table.append(f"offload: bytes at rest in host memory {h['host']:,}, on the GPU "
+                 f"{h['device']:,}")
 if "clip" in configs:
     same = max(abs(a - b) for a, b in zip(norms, ref_norms)) < 1e-5
-    print0(f"clip: gradient norm before clipping = one process's (< 1e-5): {same}; "
-           f"clipping was active (norm > {MAX_NORM}): {min(norms) > MAX_NORM}")
+    table.append(f"clip: gradient norm before clipping = one process's (< 1e-5): {same}; "
+                 f"clipping was active (norm > {MAX_NORM}): {min(norms) > MAX_NORM}")
+if not args.no_table:
+    print0("", *table, sep="\n")
 write_json(args.json, {"world_size": env.world_size, "num_params": num_params,
                        "root_params": root_params, "padded_params": psi,
                        "padded_root_params": psi_root, "layers": args.layers,
@@ -331,5 +343,5 @@ write_json(args.json, {"world_size": env.world_size, "num_params": num_params,
                        "ref_norms": ref_norms, "held_every_rank": every_rank,
                        "autocast_dtypes": autocast_dtypes,
                        "comm_formula_zero3": communication_bytes(num_params, env.world_size, 3, 4),
-                       "results": results})
+                       "results": results, "table": table})
 teardown()

@@ -1,4 +1,5 @@
-"""LoRA adapters on a frozen Llama, sharded with FSDP2: gradients and AdamW state only for the adapters.
+"""LoRA adapters on a frozen Llama, sharded with FSDP2: gradients and AdamW state only for the
+adapters.
 
     code/run_w_torchrun.sh 2 ch04_fsdp2/lora_fsdp2.py --json build/ch04/lora_fsdp2.json
 

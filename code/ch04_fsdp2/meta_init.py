@@ -1,4 +1,5 @@
-"""Chapter 04: build the model on the meta device, shard it, then fill the shards: without ever holding it whole.
+"""Chapter 04: build the model on the meta device, shard it, then fill the shards: without ever
+holding it whole.
 
     code/run_w_torchrun.sh 2 ch04_fsdp2/meta_init.py --json build/ch04/meta_init.json
 
