@@ -2,27 +2,35 @@
 from distkit.course.exercise import exercise
 
 GiB = 2**30
-CASES = (("70b", 8192, 0.9 * 79.6), ("8b", 32768, 0.9 * 79.6))
+# GPU memory as nvidia-smi reports it: an 80 GB H100 (81,559 MiB), a 141 GB H200 (143,771 MiB)
+H100_GIB, H200_GIB = 81559 / 1024, 143771 / 1024
+CASES = (("70b", 8192, H100_GIB), ("8b", 32768, H100_GIB), ("70b", 8192, H200_GIB))
 
 
 @exercise("08.1", "ch08_plan/exercises/ex08_fewest_gpus.py", nprocs=(1,))
 def check_fewest_gpus(run):
-    """The answer fits (distkit.speed.peak_bytes within the budget), and no setting fits one
-    node fewer: the fewest, whatever order the search took."""
+    """The answer is whole nodes, fits (distkit.plan.fits of distkit.speed.peak_bytes: the
+    allocated peak with the allocator's reserve and the CUDA context, against the GPU's memory),
+    and no setting fits one node fewer: the fewest, whatever order the search took."""
     from distkit.memory import LLAMA_CONFIGS
+    from distkit.plan import fits, reserved_bytes
     from distkit.speed import peak_bytes
     for model, seq, gib in CASES:
-        config, budget = LLAMA_CONFIGS[model], gib * GiB
+        config = LLAMA_CONFIGS[model]
         answer = run("--model", model, "--seq", seq, "--gpu-gib", gib)["answer"]
-        yield answer is not None, f"{model} at {seq}: answered", \
-            f"{model} at {seq}: no answer, yet some setting fits"
+        what = f"{model} at {seq} on {gib:.1f} GiB GPUs"
+        yield answer is not None, f"{what}: answered", f"{what}: no answer, yet some setting fits"
         gpus, tp, ac = answer
+        yield gpus % 8 == 0, f"{what}: {gpus} GPUs, whole nodes of 8", \
+            f"{what}: {gpus} GPUs is not a whole number of 8-GPU nodes: search nodes, not GPUs"
         peak = peak_bytes(config, gpus=gpus, seq=seq, tp=tp, ac=ac)
-        yield gpus % tp == 0 and peak <= budget, \
-            f"{model} at {seq}: {gpus} GPUs, tp {tp}, {ac} fits", \
-            f"{model} at {seq}: {gpus} GPUs, tp {tp}, {ac} needs {peak / GiB:.1f} GiB > {gib:.1f}"
+        yield gpus % tp == 0 and fits(peak, gib), \
+            f"{what}: {gpus} GPUs, tp {tp}, {ac} fits", \
+            f"{what}: {gpus} GPUs, tp {tp}, {ac} allocates {peak / GiB:.1f} GiB, which the GPU " \
+            f"must hold as {reserved_bytes(peak) / GiB:.1f} GiB with the allocator's reserve and " \
+            f"the CUDA context (distkit.plan.fits), more than its {gib:.1f}"
         fewer = [(t, a) for t in (1, 2, 4, 8) for a in ("none", "selective", "full")
                  if gpus > 8 and (gpus - 8) % t == 0
-                 and peak_bytes(config, gpus=gpus - 8, seq=seq, tp=t, ac=a) <= budget]
-        yield not fewer, f"{model} at {seq}: nothing fits on {gpus - 8} GPUs", \
-            f"{model} at {seq}: {gpus - 8} GPUs fit as well ({fewer[:1]}): not the fewest"
+                 and fits(peak_bytes(config, gpus=gpus - 8, seq=seq, tp=t, ac=a), gib)]
+        yield not fewer, f"{what}: nothing fits on {gpus - 8} GPUs", \
+            f"{what}: {gpus - 8} GPUs fit as well ({fewer[:1]}): not the fewest"
