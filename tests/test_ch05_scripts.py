@@ -5,7 +5,8 @@ that see the folder differently (they must agree, and not hang). The notebook (n
 scripts for real: train_ckpt.py uninterrupted, killed mid-run, killed inside an async save,
 with a corrupted checkpoint (resumed from --async checkpoints), and resharded 2 -> 1, 3;
 formats.py on a good checkpoint. It asserts every result (bit-identical resumes, loaded ==
-saved, equal round trips and logits, the async host copy)."""
+saved, equal round trips and logits, the async host copy). One small kill + resume runs here
+too, against a run that never stopped, so that a broken resume fails in tests/ as well."""
 import json
 import multiprocessing
 import os
@@ -20,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import distkit.ckpt as ckpt_module
-from conftest import run_in_process, run_launcher, run_papermill
+from conftest import run_in_process, run_json, run_launcher, run_papermill
 from distkit.ckpt import MANIFEST, CheckpointDir, ReadLog, read_manifest
 
 
@@ -42,6 +43,30 @@ def test_launcher_rejects_bad_max_restarts():
     proc = run_launcher(2, "ch05_checkpoint/train_ckpt.py", env={"MAX_RESTARTS": "two"},
                         timeout=10)
     assert proc.returncode == 2 and "MAX_RESTARTS must be a non-negative integer" in proc.stderr
+
+
+SMALL = ["--samples", 128, "--batch-size", 4, "--epochs", 1, "--save-every", 5]
+
+
+def test_a_killed_run_resumes_bit_identical_to_one_that_never_stopped(tmp_path):
+    """One small launch pair: a run that never stops (and never saves), and one whose last rank
+    is killed by SIGKILL after step 12 (MAX_RESTARTS=1), restarted by torchrun and resumed from
+    step 10. Every loss, the sha256 of the whole final state (parameters and AdamW moments) and
+    the random numbers drawn at every step must be equal, bit for bit: a resume that forgets
+    the LR schedule, AdamW's state, the data position or the generators fails here, not only
+    in the notebook."""
+    ref, _ = run_json(tmp_path, 2, "ch05_checkpoint/train_ckpt.py", *SMALL)
+    proc = run_launcher(2, "ch05_checkpoint/train_ckpt.py", *SMALL, "--ckpt-dir",
+                        tmp_path / "ckpt", "--resume", "--json", tmp_path / "killed.json",
+                        env={"MAX_RESTARTS": "1", "CRASH_AT": "step:12"}, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 1: killed by SIGKILL at step 12" in proc.stdout
+    killed = json.loads((tmp_path / "killed.json").read_text())
+    assert killed["attempt"] == 1 and killed["resumed_from"] == 10
+    assert len(ref["losses"]) == len(ref["draws"]) == 16
+    assert killed["losses"] == ref["losses"], "losses differ after the resume"
+    assert killed["draws"] == ref["draws"], "random draws differ: generators not restored?"
+    assert killed["digest"] == ref["digest"], "final weights or AdamW state differ"
 
 
 @pytest.mark.stress

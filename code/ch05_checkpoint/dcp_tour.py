@@ -8,8 +8,9 @@
 2. State dicts: what get_state_dict returns under each StateDictOptions, then a Stateful round
    trip (model, AdamW, LR schedule, a step counter, every rank's random generators) into a
    fresh model, proved exact tensor by tensor.
-5. Async save: how long dcp.save and dcp.async_save block the training loop (JSON only), and
-   the rule that makes async safe: the weights may change once async_save has returned.
+5. Async save: how long dcp.save and dcp.async_save block the training loop (JSON only); that
+   async_save returns before its upload is done (an order, checked on every rank at every save);
+   and the rule that makes async safe: the weights may change once async_save has returned.
 """
 import argparse
 import collections
@@ -252,6 +253,7 @@ staged = storage_bytes(t for t in tree_leaves(state["app"].state_dict()) if torc
 # (gloo: async_save needs a CPU backend, state_dict_saver.py:302, even when training uses NCCL).
 ckpt_group = dist.new_group(backend="gloo")
 timing = {"save": [], "async_save": [], "upload_done": []}
+uploading = []  # per async save: was its upload still running when async_save returned?
 for _ in range(args.repeats):
     t0 = time.perf_counter()
     dcp.save(state, checkpoint_id=empty(out / "sync"))  # blocked until every file is written
@@ -266,6 +268,7 @@ for _ in range(args.repeats):
     # (serialising, writing, the collectives) runs in a background thread.
     future = dcp.async_save(state, checkpoint_id=folder, process_group=ckpt_group)
     timing["async_save"].append(time.perf_counter() - t0)
+    uploading.append(not future.done())  # an order, not a duration: the same on any machine
     future.add_done_callback(  # called when the upload is done (at once if it already is)
         lambda _, t0=t0: timing["upload_done"].append(time.perf_counter() - t0))
     # The rule: the weights may change only once staging is done. It is, when async_save has
@@ -276,9 +279,14 @@ for _ in range(args.repeats):
 reloaded, reloaded_opt, _ = build(1, hidden=args.hidden, layers=4)
 dcp.load({"app": AppState(reloaded, reloaded_opt)}, checkpoint_id=out / "async")
 loaded = shards(reloaded, reloaded_opt)
-check = {"equal_before": equal(loaded, before), "equal_after": equal(loaded, changed)}
+returned_early = torch.tensor(int(all(uploading)))
+dist.all_reduce(returned_early, op=dist.ReduceOp.MIN)  # on every rank, at every save
+check = {"equal_before": equal(loaded, before), "equal_after": equal(loaded, changed),
+         "returned_before_upload": bool(returned_early)}
 print0(f"\nasync_save of a {args.hidden}-wide 4-layer Llama, an AdamW step during the upload:")
 print_ranks(f"async_save returned after copying this rank's model and AdamW state: {staged} bytes")
+print0(f"async_save returned before its upload was done, on every rank at every save: "
+       f"{check['returned_before_upload']}")
 print0(f"reloaded == state when async_save was called, every tensor equal: {check['equal_before']}")
 print0(f"reloaded == state after that step, every tensor equal: {check['equal_after']}")
 

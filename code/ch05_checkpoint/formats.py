@@ -88,8 +88,9 @@ def load(folder, model, optimizer, scheduler):
     get_state_dict gives the same keys as under FSDP2 (no wrapper prefixes), with full tensors
     instead of DTensor shards: each is filled from both ranks' files. "progress" was saved by
     a Stateful object that lives in train_ckpt.py; a plain dict with the same keys reads it
-    (filled in place, like the tensors). The per-rank RNG states are left out: this model draws
-    no random numbers (no dropout), and which rank's would one process take?"""
+    (filled in place, like the tensors). The per-rank RNG states are left out: this model uses
+    no random numbers (no dropout; train_ckpt.py's per-step draws only stand in for them), and
+    which rank's would one process take?"""
     state = {"app": AppState(model, optimizer),
              "progress": {"step": 0, "run": dict(RUN), "losses": [],
                           "scheduler": scheduler.state_dict()}}

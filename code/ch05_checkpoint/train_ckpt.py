@@ -9,7 +9,10 @@ step_NNNNNN.tmp/, and rank 0 commits the folder with an atomic rename (distkit.c
 --resume the run starts from the newest checkpoint whose files all check out, with the model,
 AdamW's state, the LR schedule, the position in the data, the losses so far and each rank's
 random generators as they were: the rest of the run is then bit-identical to a run that never
-stopped. The checkpoint can be loaded on a different number of ranks (resharding).
+stopped. (The tiny Llama has no dropout, so each step draws one number from torch's and one from
+Python's generator, as dropout or a data augmentation would, and logs them: a resume that forgot
+the generators then shows it.) The checkpoint can be loaded on a different number of ranks
+(resharding).
 
 --async saves with dcp.async_save: the loop waits only while this rank's state is copied to
 host memory; the files are written in the background during the next steps, and the
@@ -102,21 +105,21 @@ class Progress:  # NEW: where we are in the run, as DCP's Stateful protocol want
     silently train another run, so it is refused."""
 
     def __init__(self):
-        self.step, self.losses = 0, []
+        self.step, self.losses, self.draws = 0, [], []
         self.run = {"global batch": env.world_size * args.batch_size, "--samples": args.samples,
                     "--epochs": args.epochs, "--seed": args.seed, "--lr": args.lr}
 
     def state_dict(self):
         # copies: dcp.load fills the dict returned here in place, and would overwrite self.run
         return {"step": self.step, "run": dict(self.run), "scheduler": scheduler.state_dict(),
-                "losses": list(self.losses)}
+                "losses": list(self.losses), "draws": list(self.draws)}
 
     def load_state_dict(self, state):
         if changed := [f"{k} {v} (now {self.run[k]})" for k, v in state["run"].items()
                        if self.run[k] != v]:
             raise SystemExit("train_ckpt.py: the checkpoint's run had " + ", ".join(changed)
                              + "; resume with its settings")
-        self.step, self.losses = state["step"], state["losses"]
+        self.step, self.losses, self.draws = state["step"], state["losses"], state["draws"]
         scheduler.load_state_dict(state["scheduler"])
 
 
@@ -215,6 +218,10 @@ for epoch in range(progress.step // steps_per_epoch, args.epochs):
     # NEW: skip the batches this epoch already trained on (cheap here: the data is in memory)
     for (tokens,) in itertools.islice(loader, progress.step % steps_per_epoch, None):
         tokens = tokens.to(env.device)
+        # NEW: where dropout or an augmentation would draw random numbers (this model has none):
+        # one from each global generator, logged, so the streams move and a resume must restore
+        # them (RNGState) to draw the same ones
+        progress.draws.append([torch.rand(1).item(), random.random()])
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         if pending:  # NEW (--async): the copy must be whole before the weights change
@@ -243,7 +250,7 @@ if stager:
 # NEW: the whole training state to the last bit (in the JSON only: the last bits of a float
 # differ from one CPU to another, so its printed value would differ too)
 write_json(args.json, {"losses": progress.losses, "digest": state_digest(model, optimizer),
-                       "rng": [torch.rand(1).item(), random.random()],  # the streams go on?
+                       "draws": progress.draws,  # per step: the random numbers drawn
                        "resumed_from": resumed_from,
                        "attempt": restart, "saves": saves,
                        "host_bytes": host_bytes,
