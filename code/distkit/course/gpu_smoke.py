@@ -116,6 +116,21 @@ RUNS = [
     Run("ch08 one real step vs the plan", 1, "ch08_plan/gpu_step.py",
         ("--seq", "2048", "--batch", "2", "--ac", "full", "--steps", "3", "--json",
          "{out}/step.json"), expect="step.json", torchrun=False),
+    # chapter 09: torch's context_parallel() itself (CUDA flash attention, bf16; on one GPU
+    # the dispatch to the ring kernels runs, the exchange does not); the hand-written ring,
+    # Ulysses, FSDP2 x CP and expert parallelism over NCCL; transformers' EP
+    Run("ch09 context_parallel()", 2, "ch09_long_context_moe/torch_cp.py",
+        ("--seq", "256", "--head-dim", "64"), expect="every check passed: True"),
+    Run("ch09 ring attention", 2, "ch09_long_context_moe/ring_attention.py",
+        expect="every check passed: True"),
+    Run("ch09 Ulysses", 2, "ch09_long_context_moe/ulysses.py", expect="every check passed: True",
+        fit=False),
+    Run("ch09 FSDP2 x CP", 4, "ch09_long_context_moe/fsdp_cp.py", ("--steps", "2"),
+        expect="every check passed: True", fit=False),
+    Run("ch09 expert parallelism by hand", 2, "ch09_long_context_moe/moe_ep.py",
+        expect="every check passed: True"),
+    Run("ch09 transformers EP", 2, "ch09_long_context_moe/hf_ep.py",
+        expect="every check passed: True", fit=False),
 ]
 
 
