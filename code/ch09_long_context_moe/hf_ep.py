@@ -102,7 +102,10 @@ print0(f"layer 0 self_attn.q_proj.weight: global {tuple(dense.shape)}, on each r
 print0(f"mean of the ranks' losses vs one process: |difference| < {LOSS_TOL:.0e}: "
        f"{loss_diff < LOSS_TOL}; every gradient < {GRAD_TOL:.0e}: {worst < GRAD_TOL}")
 print0("collectives of one step: " + ", ".join(f"{n} x {k}" for k, n in sorted(calls.items())))
+ok = loss_diff < LOSS_TOL and worst < GRAD_TOL
+print0(f"every check passed: {ok}")  # make gpu-smoke looks for this line
 write_json(args.json, {
+    "ok": ok,
     "world_size": N, "experts": E, "loss": total.item() / N, "reference_loss": ref_loss.item(),
     "loss_diff": loss_diff, "max_grad_diff": worst,
     "parity": loss_diff < LOSS_TOL and worst < GRAD_TOL,

@@ -114,7 +114,7 @@ errors = {}
 for n, p in model.named_parameters():
     ref = ref_params[n].grad[lo:hi] if ".experts." in n else ref_params[n].grad
     errors[n] = (p.grad - ref).abs().max().item()
-worst = torch.tensor(max(errors.values()))
+worst = torch.tensor(max(errors.values()), device=env.device)
 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
 parity = loss_diff < LOSS_TOL and worst.item() < GRAD_TOL
 
@@ -148,7 +148,10 @@ print_ranks(f"all-to-alls of one step: {sum(not c[3] for c in calls)} forward, "
             f"{sum(c[3] for c in calls)} backward; bytes = the counts (E x 8 B), the {T * k} "
             f"rows this rank routes, the {received} rows its experts ran (x {H} x 4 B), "
             f"then their gradients: {calls_ok}")
+ok = parity and calls_ok
+print0(f"every check passed: {ok}")  # make gpu-smoke looks for this line
 write_json(args.json, {
+    "ok": ok,
     "world_size": N, "experts": E, "top_k": k, "hidden": H, "tokens_per_rank": T,
     "loss": total.item() / N, "reference_loss": ref_loss.item(), "loss_diff": loss_diff,
     "max_grad_diff": worst.item(), "parity": parity, "loads": loads,

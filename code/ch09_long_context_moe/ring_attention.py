@@ -60,7 +60,7 @@ print0(f"ring attention on {N} ranks: batch {B}, {H} query heads, {H_kv} key/val
 
 
 def max_over_ranks(x: float) -> float:
-    t = torch.tensor(x, dtype=torch.float64)
+    t = torch.tensor(x, dtype=torch.float64, device=env.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -75,6 +75,9 @@ for name in layouts:
         k = torch.randn(B, H_kv, S, D, dtype=dtype, requires_grad=True)
         v = torch.randn(B, H_kv, S, D, dtype=dtype, requires_grad=True)
         grad_out = torch.randn(B, H, S, D, dtype=dtype)  # what a loss would send back
+        # drawn on the CPU (the same numbers on any machine), then onto this rank's device
+        q, k, v = (t.detach().to(env.device).requires_grad_() for t in (q, k, v))
+        grad_out = grad_out.to(env.device)
         # the reference: one process, the whole sequence
         full = reference_attention(q, k, v, args.causal)
         full.backward(grad_out)
@@ -109,6 +112,9 @@ for name in layouts:
     work = res["work"]
     print0(f"{name:11s} per rank {work}: slowest / mean {max(work) / (sum(work) / N):.2f}; "
            f"= distkit.cp.causal_work: {work == res['work formula']}")
-write_json(args.json, {"world_size": N, "batch": B, "heads": H, "kv_heads": H_kv, "seq": S,
-                       "head_dim": D, "causal": args.causal, "results": results})
+ok = all(res["parity"] and res["bytes"] == res["formula"] and res["work"] == res["work formula"]
+         for res in results.values())
+print0(f"every check passed: {ok}")  # make gpu-smoke looks for this line
+write_json(args.json, {"ok": ok, "world_size": N, "batch": B, "heads": H, "kv_heads": H_kv,
+                       "seq": S, "head_dim": D, "causal": args.causal, "results": results})
 teardown()

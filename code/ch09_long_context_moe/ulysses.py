@@ -55,7 +55,7 @@ print0(f"Ulysses on {N} ranks: batch {B}, {H} query heads, {H_kv} key/value head
 
 
 def max_over_ranks(x: float) -> float:
-    t = torch.tensor(x, dtype=torch.float64)
+    t = torch.tensor(x, dtype=torch.float64, device=env.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -68,6 +68,9 @@ for dtype in (torch.float64, torch.float32):
     k = torch.randn(B, H_kv, S, D, dtype=dtype, requires_grad=True)
     v = torch.randn(B, H_kv, S, D, dtype=dtype, requires_grad=True)
     grad_out = torch.randn(B, H, S, D, dtype=dtype)
+    # drawn on the CPU (the same numbers on any machine), then onto this rank's device
+    q, k, v = (t.detach().to(env.device).requires_grad_() for t in (q, k, v))
+    grad_out = grad_out.to(env.device)
     full = reference_attention(q, k, v, args.causal)
     full.backward(grad_out)
     ql, kl, vl = (t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v))
@@ -100,13 +103,16 @@ for dtype, res in results.items():
 # The limit: each rank takes whole heads. One key/value head cannot be split over N > 1 ranks.
 refused = None
 if N > 1:
-    x = torch.zeros(B, H, S // N, D)
+    x = torch.zeros(B, H, S // N, D, device=env.device)
     try:
         ulysses_attention(x, x[:, :1], x[:, :1], causal=args.causal)
     except ValueError as e:
         refused = str(e)
     print0(f"with 1 key/value head: {refused}")
-write_json(args.json, {"world_size": N, "batch": B, "heads": H, "kv_heads": H_kv, "seq": S,
-                       "head_dim": D, "causal": args.causal, "results": results,
+ok = all(res["parity"] and res["bytes"] == res["formula"] for res in results.values()) \
+    and (refused is not None or N == 1)
+print0(f"every check passed: {ok}")  # make gpu-smoke looks for this line
+write_json(args.json, {"ok": ok, "world_size": N, "batch": B, "heads": H, "kv_heads": H_kv,
+                       "seq": S, "head_dim": D, "causal": args.causal, "results": results,
                        "refused": refused})
 teardown()

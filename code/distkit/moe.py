@@ -48,6 +48,15 @@ def grouped_experts(x, counts, gate_up, down):
     """SwiGLU experts on rows grouped by expert: rows 0 .. counts[0]-1 go to expert 0, the next
     counts[1] to expert 1, ... (a count may be 0). gate_up (E, 2I, H), down (E, H, I), laid out
     as transformers' MixtralExperts stores them (each a linear layer's weight: out x in)."""
+    if x.is_cuda and x.dtype != torch.bfloat16:  # CUDA's grouped GEMM takes bf16 only (the
+        # checks of _grouped_mm_cuda, torch/_meta_registrations.py, torch 2.13): one matmul
+        # per expert instead
+        out, start = [], 0
+        for e, rows in enumerate(counts.tolist()):
+            gate, up = (x[start:start + rows] @ gate_up[e].T).chunk(2, dim=-1)
+            out.append((F.silu(gate) * up) @ down[e].T)
+            start += rows
+        return torch.cat(out)
     offs = torch.cumsum(counts, 0).to(torch.int32)  # where each expert's rows end
     gate, up = F.grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
     return F.grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)

@@ -70,6 +70,8 @@ seed_everything(args.seed)
 q = torch.randn(B, H, S, D, dtype=torch.float64, requires_grad=True)
 k, v = (torch.randn(B, H_kv, S, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
 grad_out = torch.randn(B, H, S, D, dtype=torch.float64)
+q, k, v = (t.detach().to(env.device).requires_grad_() for t in (q, k, v))
+grad_out = grad_out.to(env.device)
 tokens = slice(r * S // N, (r + 1) * S // N)  # this rank's tokens
 heads = slice(r * H // N, (r + 1) * H // N)   # the heads it must end up with
 errors = {}
@@ -92,7 +94,7 @@ if out.requires_grad:
         errors["gradients"] = max((a.grad - b.grad[:, :, tokens]).abs().max().item()
                                   for a, b in ((ql, q), (kl, k), (vl, v)))
 worst = torch.tensor([errors[k_] for k_ in ("layout", "attention", "gradients")],
-                     dtype=torch.float64)
+                     dtype=torch.float64, device=env.device)
 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
 errors = dict(zip(("layout", "attention", "gradients"), worst.tolist()))
 for what, err in errors.items():

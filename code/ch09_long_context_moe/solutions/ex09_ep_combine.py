@@ -85,15 +85,20 @@ router = (0.5 * torch.randn(E, Hd)).requires_grad_()
 gate_up = (0.3 * torch.randn(E, 2 * Im, Hd)).requires_grad_()
 down = (0.3 * torch.randn(E, Hd, Im)).requires_grad_()
 head = 0.3 * torch.randn(V, Hd)  # a fixed output layer, for a real loss
+# drawn on the CPU (the same numbers on any machine), then onto this rank's device
+x, labels, head = x.to(env.device), labels.to(env.device), head.to(env.device)
+router, gate_up, down = (t.detach().to(env.device).requires_grad_()
+                         for t in (router, gate_up, down))
 results = {}
 
 # 1. probes of combine alone: (a) every row back at its token, (b) the router's weights applied
 _, weights, experts = route(x[:T], router.detach(), k)
 order = torch.argsort(experts.reshape(-1), stable=True)
 token_of_row = (order // k).float().unsqueeze(-1)       # row i: the token it came from
-back = combine(token_of_row, order, torch.full((T, k), 1 / k))
-results["rows back at their tokens"] = bool(torch.allclose(back.squeeze(-1), torch.arange(T) * 1.))
-ones = combine(torch.ones(T * k, 1), order, weights.detach())
+back = combine(token_of_row, order, torch.full((T, k), 1 / k, device=env.device))
+results["rows back at their tokens"] = bool(torch.allclose(back.squeeze(-1),
+                                                          order.new_tensor(range(T)) * 1.))
+ones = combine(torch.ones(T * k, 1, device=env.device), order, weights.detach())
 results["weighted by the router"] = bool(torch.allclose(ones.squeeze(-1), weights.sum(-1)))
 
 # 2. the reference: one process, all experts, every rank's tokens
@@ -116,7 +121,7 @@ errors = torch.tensor([
     (out - ref_out[r * T:(r + 1) * T]).abs().max().item(),
     max((mine.gate_up_proj.grad / N - gate_up.grad[lo:hi]).abs().max().item(),
         (mine.down_proj.grad / N - down.grad[lo:hi]).abs().max().item(),
-        (my_router.grad / N - router.grad).abs().max().item())])
+        (my_router.grad / N - router.grad).abs().max().item())], device=env.device)
 total = loss.detach().clone()
 dist.all_reduce(total)
 dist.all_reduce(errors, op=dist.ReduceOp.MAX)

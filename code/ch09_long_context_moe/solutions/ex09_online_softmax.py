@@ -67,7 +67,7 @@ env = setup()
 N, r = env.world_size, env.rank
 B, H, S, D = 2, 4, args.seq, 8
 seed_everything(args.seed)
-q, k, v = (torch.randn(B, H, S, D, dtype=torch.float64) for _ in range(3))
+q, k, v = (torch.randn(B, H, S, D, dtype=torch.float64).to(env.device) for _ in range(3))
 scale = D ** -0.5
 errors = {}
 
