@@ -104,6 +104,9 @@ RUNS = [
         expect="run/hf/config.json"),
     Run("ch06 Llama HSDP + compile", 4, "ch06_capstone/train_llama.py",
         (*TINY_LLAMA, "--replicate", "2", "--compile"), expect="run/hf/config.json", fit=False),
+    # a CUDA trace per rank (NCCL's kernels on their own stream, beside the matmuls: chapter 06)
+    Run("ch06 Llama profile", 2, "ch06_capstone/train_llama.py",
+        (*TINY_LLAMA, "--profile-step", "3"), expect="run/profile/rank0.pt.trace.json"),
     Run("ch07 flight recorder dump", 2, "ch07_debugging/buggy_train.py",
         ("--bug", "crash", "--timeout", "30", "--fr-dir", "{out}/fr"), status=1,
         expect="fr/rank_1", fit=False),  # rank 1 fails at step 3 and dumps
