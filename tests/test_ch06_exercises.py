@@ -4,9 +4,10 @@ corrupted on one rank stops every rank at that step, before the optimizer step a
 with a failed job; a guard that decides on each rank's own numbers is named; arguments and bad
 input.
 
-Budget of `make test`: two 2-rank launches at once (the solution, and the wrong answer the
-exercise is about), ~10 CPU-s each, most of it importing torch and transformers. At 4 ranks (a
-2 x 2 mesh), the solution and two more wrong answers: `make test-nproc`. The untouched starter's
+Budget of `make test`: three 2-rank launches at once (the solution, the wrong answer the
+exercise is about, and a guard that stops with status 0), ~10 CPU-s each, most of it importing
+torch and transformers. At 4 ranks (a 2 x 2 mesh), the solution and three wrong answers: `make
+test-nproc`. The untouched starter's
 first TODO is tests/test_exercises.py's (no launch). --help and bad input run in this process:
 argparse stops the scripts before setup(). Measured by hand (`--file`, 2 ranks): the guard below
 optimizer.step() fails with "weights hold a NaN on ranks [1]: the optimizer stepped on the
@@ -24,17 +25,24 @@ LOCAL_VERDICT = ("return mean_loss, norm, not (math.isfinite(mean_loss) and math
                  "return mean_loss, norm, not torch.isfinite(grad_norm).item()")
 
 
+# Stopped in time, but the scheduler is told all went well (teardown()'s status copied)
+EXIT_0 = ("os._exit(3)", "os._exit(0)")
+# The guard in place, but the optimizer steps before the exit (as a guard written at the end of
+# the loop body does): the corrupted gradient reaches every weight of its shard group
+STEP_THEN_STOP = ("        report(step)\n", "        optimizer.step()\n        report(step)\n")
+
+
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    """make test: the solution and the rank-local verdict at 2 ranks (a 2 x 1 mesh)."""
-    return check_at_once({"solution": ("06.1", None), "local_verdict": ("06.1", LOCAL_VERDICT)},
-                         tmp_path_factory.mktemp("ch06_ex"))
+    """make test: the solution, the rank-local verdict and a status 0 at 2 ranks (2 x 1)."""
+    return check_at_once({"solution": ("06.1", None), "local_verdict": ("06.1", LOCAL_VERDICT),
+                          "exit_0": ("06.1", EXIT_0)}, tmp_path_factory.mktemp("ch06_ex"))
 
 
 @pytest.fixture(scope="module")
 def at_4(tmp_path_factory):
-    """make test-nproc: the solution, the rank-local verdict, a flat mesh and a job that exits
-    0, at 4 ranks (2 x 2)."""
+    """make test-nproc: the solution, the rank-local verdict, a flat mesh and an optimizer step
+    before the stop, at 4 ranks (2 x 2)."""
     return check_at_once({
         "solution": ("06.1", None),
         "local_verdict": ("06.1", LOCAL_VERDICT),
@@ -43,8 +51,7 @@ def at_4(tmp_path_factory):
                                'mesh_dim_names=("replicate", "shard"))',
                                'mesh = init_device_mesh(env.device.type, (N,), '
                                'mesh_dim_names=("shard",))')),
-        # stopped in time, but the scheduler is told all went well
-        "exit_0": ("06.1", ("os._exit(3)", "os._exit(0)")),
+        "step_then_stop": ("06.1", STEP_THEN_STOP),
     }, tmp_path_factory.mktemp("ch06_ex4"), nprocs="largest")
 
 
@@ -62,6 +69,16 @@ def test_a_rank_local_verdict_is_named(checks):
     assert lines[-1] == ("FAIL [2 ranks] the guard's verdicts differ at step 4: ranks [1] would "
                          "stop, ranks [0] go on (a real job parts there): decide on values "
                          "every rank shares")
+
+
+def test_a_stop_with_status_0_is_named(checks):
+    """The run stopped where it should, without saving, but exits 0: torchrun and Slurm call it
+    a success (and a requeue-on-failure policy would not even see it)."""
+    ok, lines, _ = checks["exit_0"]
+    assert not ok
+    assert lines[-1] == ("FAIL [2 ranks] the launch ended with exit status 0 after the guard "
+                         "stopped it: a scheduler would call the run a success; the ranks' "
+                         "status is not 3")
 
 
 @pytest.mark.second_nproc
@@ -82,8 +99,9 @@ def test_at_4_ranks_the_solution_passes_and_wrong_answers_are_named(at_4):
                          "values every rank shares",
         "flat_mesh": "FAIL [4 ranks] the mesh is 4 named ('shard',), not 2 x 2 named "
                      "('replicate', 'shard')",
-        "exit_0": "FAIL [4 ranks] the launch ended with exit status 0 after the guard stopped "
-                  "it: a scheduler would call the run a success; the ranks' status is not 3",
+        # the corrupted shard's row (ranks 2 and 3) steps on NaN; the other replica is intact
+        "step_then_stop": "FAIL [4 ranks] weights hold a NaN on ranks [2, 3]: the optimizer "
+                          "stepped on the corrupted gradient",
     }
     for name, line in expected.items():
         ok, lines, _ = at_4[name]

@@ -60,6 +60,27 @@ def test_bad_input_one_line_error(monkeypatch, capsys, tmp_path, args, env, mess
     assert status == 2 and message in err.strip().splitlines()[-1]
 
 
+def test_options_avoid_argparse_traps():
+    """Every option of train_llama.py with a float default has type=float (a float default is
+    never converted: type=int would fail the day someone passes --lr 3e-4), and none has
+    type=bool (bool("False") is True): on/off options are store_true flags."""
+    options = {}
+    for call in ast.walk(ast.parse((CODE / SCRIPT).read_text())):
+        if isinstance(call, ast.Call) and getattr(call.func, "attr", "") == "add_argument":
+            kw = {k.arg: k.value for k in call.keywords}
+            default = ast.literal_eval(kw["default"]) if "default" in kw else None
+            options[call.args[0].value] = (getattr(kw.get("type"), "id", None), default,
+                                           getattr(kw.get("action"), "value", None))
+    floats = [name for name, (_, default, _) in options.items()  # --betas: a tuple of floats
+              if any(isinstance(v, float) for v in (default if isinstance(default, tuple)
+                                                    else [default]))]
+    assert len(options) > 35 and {"--lr", "--min-lr", "--clip", "--betas"} <= set(floats)
+    assert [n for n in floats if options[n][0] != "float"] == []
+    assert [n for n, (t, _, _) in options.items() if t == "bool"] == []
+    assert {n for n, (_, _, a) in options.items() if a == "store_true"} >= {
+        "--resume", "--overwrite", "--async-save", "--sync-every-microbatch"}
+
+
 def test_tensorboard_is_optional(monkeypatch, capsys, tmp_path):
     """--tensorboard without the package: one line that says what to install."""
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed

@@ -197,8 +197,9 @@ for step in range(1, args.steps + 1):
     losses.append(mean_loss)
     # The exercise's own check, not part of a recipe: every rank's verdict, every step. Where
     # they differ, a real job parts here (some ranks leave, the others go on); this one says so.
-    every = torch.zeros(N, device=env.device)
-    dist.all_gather_single(every, torch.tensor([float(stop)], device=env.device))
+    every = torch.zeros(N, device=env.device)  # each rank fills its slot, a sum gathers them
+    every[env.rank] = float(stop)
+    dist.all_reduce(every)
     verdicts.append([bool(v) for v in every.tolist()])
     if len(set(verdicts[-1])) > 1:
         report(None, f"the guard's verdicts differ at step {step}")

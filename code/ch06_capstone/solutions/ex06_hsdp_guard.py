@@ -207,8 +207,9 @@ for step in range(1, args.steps + 1):
     losses.append(mean_loss)
     # The exercise's own check, not part of a recipe: every rank's verdict, every step. Where
     # they differ, a real job parts here (some ranks leave, the others go on); this one says so.
-    every = torch.zeros(N, device=env.device)
-    dist.all_gather_single(every, torch.tensor([float(stop)], device=env.device))
+    every = torch.zeros(N, device=env.device)  # each rank fills its slot, a sum gathers them
+    every[env.rank] = float(stop)
+    dist.all_reduce(every)
     verdicts.append([bool(v) for v in every.tolist()])
     if len(set(verdicts[-1])) > 1:
         report(None, f"the guard's verdicts differ at step {step}")
@@ -260,8 +261,10 @@ teardown()
 #    into every shard of its row, the all-reduce down the columns into the other replicas: every
 #    rank's norm is NaN. This script's fault, after the reduction, reaches only its row's norm.
 # 4. torchrun exits 1 when a rank fails (run_w_torchrun.sh names the rank's 3). Any non-zero
-#    status fails the Slurm job; train_llama.sbatch requeues only after a signal stop
-#    (OUT/stopped.json), so a NaN is not rerun on the same data to fail again.
+#    status fails the Slurm job. train_llama.sbatch requeues failures (most are transient
+#    hardware faults) up to a cap, but not one that train_llama.py marked deterministic in
+#    OUT/failed.json: a NaN is not rerun on the same data to fail again. The exit status
+#    cannot carry that through torchrun; a file can.
 # The capstone's own versions: train_llama.py's --replicate (the mesh) and its non-finite stop
 # (one all-reduce of [loss, stop flag, gradient norm] per step, exit status 3).
 ### END SOLUTION
