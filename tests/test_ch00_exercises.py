@@ -1,69 +1,153 @@
-"""Chapter 00's exercises through their checker (`make exercise EX=00.1` ... `00.3`) at 3 ranks: each
-solution, copied over its starter, passes; a wrong answer fails with the line that names it.
+"""Chapter 00's exercises through their checker (`make exercise EX=00.1` ... `00.3`): each solution,
+copied over its starter, passes; each wrong answer a learner plausibly writes fails with the line
+that points at the mistake.
 
-In `make test-nproc` (marker second_nproc), not `make test`: the notebook already runs both
-solutions (4 and 2 processes) and tests/test_ch00_scripts.py runs each starter to its first TODO;
-tests/test_exercises.py checks the untouched starters. Six 3-rank launches at once, ~55 CPU-s.
+`make test`: nine wrong answers at 2 ranks, launched side by side (each launch imports torch only:
+~4 CPU-s for 2 ranks; 00.3's checker launches twice, a size N divides and one it does not).
+`make test-nproc` (marker second_nproc): the solutions at 3 ranks. tests/test_ch00_scripts.py runs
+each starter to its first TODO; tests/test_exercises.py checks the untouched starters.
 """
 import pytest
 
+from conftest import CODE
 from distkit.course.exercise import check_at_once
 
-pytestmark = pytest.mark.second_nproc
+S = 1024 * 4  # 00.1's tensor, in bytes (--numel 1024 float32)
 
 
 @pytest.fixture(scope="module")
-def checks(tmp_path_factory):
+def wrong(tmp_path_factory):
+    """make test: the wrong answers at 2 ranks."""
     return check_at_once({
-        "naive": ("00.1", None),
-        "naive_no_sum": ("00.1", ("total += buf", None)),  # rank 0 drops what it receives
-        "mean": ("00.2", None),
+        # 00.1: rank 0 drops what it receives / does not count what it sends / the others
+        # receive the sum into x, not into total
+        "naive_no_sum": ("00.1", ("total += buf", None)),
+        "naive_sends_uncounted": ("00.1", ("        sent += size", None)),
+        "naive_recv_into_x": ("00.1", ("dist.recv(total, src=0)", "dist.recv(x, src=0)")),
+        # 00.2: (b) computed as (a) / (a) summed but not divided by N
         "mean_of_means": ("00.2", ("exact = (stats[0] / stats[1]).item()",
                                    "exact = mean_of_means.item()")),
-        "halves": ("00.3", None),
+        "means_not_divided": ("00.2", ("mean_of_means /= env.world_size", None)),
+        # a name never defined: the launch fails, and the line names where
+        "mean_name_error": ("00.2", ("exact = (stats[0] / stats[1]).item()",
+                                     "exact = (stats[0] / count).item()")),
+        # 00.3: the ceiling off by one where N divides numel / rounded down / padding left on
+        "halves_off_by_one": ("00.3", ("shard = -(-args.numel // n)",
+                                       "shard = args.numel // n + 1")),
+        "halves_floor": ("00.3", ("shard = -(-args.numel // n)", "shard = args.numel // n")),
         "halves_padding_kept": ("00.3", ("total = gathered[:args.numel]", "total = gathered")),
-    }, tmp_path_factory.mktemp("ch00_ex"), nprocs="largest")
+    }, tmp_path_factory.mktemp("ch00_wrong"))
 
 
-def test_naive_allreduce_passes(checks):
-    ok, lines, runs = checks["naive"]
+@pytest.fixture(scope="module")
+def at_3(tmp_path_factory):
+    """make test-nproc: the solutions at 3 ranks."""
+    return check_at_once({"naive": ("00.1", None), "mean": ("00.2", None),
+                          "halves": ("00.3", None)},
+                         tmp_path_factory.mktemp("ch00_ex"), nprocs="largest")
+
+
+def failed(wrong, name):
+    ok, lines, _ = wrong[name]
+    assert not ok, lines
+    return lines[-1]
+
+
+# --- 00.1: all-reduce through rank 0 ------------------------------------------------------------
+
+def test_naive_without_the_sum_is_named(wrong):
+    assert failed(wrong, "naive_no_sum") == (
+        "FAIL [2 ranks] the result differs from dist.all_reduce's on ranks [0, 1]: rank 0 must "
+        "add up all N tensors and send that sum to every other rank, which receives it into "
+        "total")
+
+
+def test_naive_sum_received_elsewhere_is_named(wrong):
+    assert failed(wrong, "naive_recv_into_x") == (
+        "FAIL [2 ranks] the result differs from dist.all_reduce's on ranks [1]: rank 0 must "
+        "add up all N tensors and send that sum to every other rank, which receives it into "
+        "total")
+
+
+def test_naive_uncounted_sends_are_named(wrong):
+    assert failed(wrong, "naive_sends_uncounted") == (
+        f"FAIL [2 ranks] bytes sent per rank are [0, {S}], expected [{S}, {S}]: count S = "
+        f"{S:,} bytes for every tensor a rank sends or receives")
+
+
+# --- 00.2: the exact global mean --------------------------------------------------------------
+
+def test_mean_of_means_is_named(wrong):
+    line = failed(wrong, "mean_of_means")
+    assert line.startswith("FAIL [2 ranks] exact differs from the one-process mean by ")
+    assert line.endswith(": it is the mean of the ranks' means, which weighs ranks, not "
+                         "samples: all_reduce every rank's sum and count, then divide")
+
+
+def test_means_not_divided_is_named(wrong):
+    line = failed(wrong, "means_not_divided")
+    assert line.startswith("FAIL [2 ranks] mean_of_means = ")
+    assert line.endswith("2x the average of the ranks' means: is the sum divided by N?")
+
+
+def test_an_error_in_the_learners_file_names_its_line(wrong):
+    solution = (CODE / "ch00_collectives/solutions/ex00_global_mean.py").read_text()
+    line = solution.splitlines().index("exact = (stats[0] / stats[1]).item()") + 1
+    assert failed(wrong, "mean_name_error").startswith(
+        "FAIL [2 ranks] the launch failed: NameError: name 'count' is not defined")
+    assert failed(wrong, "mean_name_error").endswith(
+        f"/ch00_collectives/exercises/ex00_global_mean.py:{line})")
+
+
+# --- 00.3: all-reduce from its halves --------------------------------------------------------
+
+def test_halves_off_by_one_is_named(wrong):
+    """The ceiling written as numel // N + 1 is right unless N divides numel (1002 here)."""
+    assert failed(wrong, "halves_off_by_one") == (
+        "FAIL [2 ranks] numel 1002: shard is 502 elements and padding 2: the fewest elements "
+        "per rank that hold 1002 between 2 ranks is 501 (rounded up, not down + 1)")
+
+
+def test_halves_rounded_down_is_named(wrong):
+    ok, lines, _ = wrong["halves_floor"]
+    assert not ok
+    assert "PASS [2 ranks] numel 1002: shard = ceil(1002 / 2) = 501 elements, padding 0" in lines
+    assert lines[-1].startswith("FAIL [2 ranks] numel 1001: the launch failed: RuntimeError: "
+                                "The expanded size of the tensor (1000) must match")
+    assert lines[-1].endswith(": shard x N must hold all 1001 elements (round up)")
+
+
+def test_halves_with_the_padding_left_on_is_named(wrong):
+    assert failed(wrong, "halves_padding_kept") == (
+        "FAIL [2 ranks] numel 1001: the result differs from dist.all_reduce's (its size, or its "
+        "values): is the padding cut off?")
+
+
+# --- the solutions at 3 ranks ---------------------------------------------------------------
+
+@pytest.mark.second_nproc
+def test_naive_allreduce_passes(at_3):
+    ok, lines, runs = at_3["naive"]
     assert ok, lines
     (_, res, _), = runs
-    s = res["bytes"]
-    assert s == 1024 * 4 and res["received"] == [2 * s, s, s] and res["sent"] == [2 * s, s, s]
-    assert lines[-1] == f"PASS [3 ranks] bytes sent per rank = [{2 * s}, {s}, {s}] ((N-1) S on " \
+    assert res["bytes"] == S and res["received"] == [2 * S, S, S] and res["sent"] == [2 * S, S, S]
+    assert lines[-1] == f"PASS [3 ranks] bytes sent per rank = [{2 * S}, {S}, {S}] ((N-1) S on " \
                         "rank 0, S elsewhere)"
 
 
-def test_naive_allreduce_without_the_sum_is_named(checks):
-    ok, lines, _ = checks["naive_no_sum"]
-    assert not ok
-    assert lines[-1].startswith("FAIL [3 ranks] the launch failed: AssertionError: Tensor-likes "
-                                "are not close!")
-
-
-def test_global_mean_passes(checks):
-    ok, lines, runs = checks["mean"]
+@pytest.mark.second_nproc
+def test_global_mean_passes(at_3):
+    ok, lines, runs = at_3["mean"]
     assert ok, lines
     (_, res, _), = runs
     assert abs(res["exact"] - res["reference"]) < 1e-12
 
 
-def test_mean_of_means_is_named(checks):
-    ok, lines, _ = checks["mean_of_means"]
-    assert not ok
-    assert lines[-1].startswith("FAIL [3 ranks] exact differs from the one-process mean by ")
-
-
-def test_allreduce_from_halves_passes(checks):
-    ok, lines, runs = checks["halves"]
+@pytest.mark.second_nproc
+def test_allreduce_from_halves_passes(at_3):
+    ok, lines, runs = at_3["halves"]
     assert ok, lines
-    (_, res, _), = runs
+    (_, divides, _), (_, res, _) = runs
+    assert (divides["shard"], divides["padding"]) == (334, 0)
     assert (res["shard"], res["padding"]) == (334, 1) and res["ring_bytes_per_half"] == 2 * 334 * 4
     assert all(c == {"slice": True, "equal": True} for c in res["checks"])
-
-
-def test_allreduce_with_the_padding_left_on_is_named(checks):
-    ok, lines, _ = checks["halves_padding_kept"]
-    assert not ok
-    assert lines[-1].startswith("FAIL [3 ranks] the result differs from dist.all_reduce's")

@@ -1,17 +1,20 @@
 """Chapter 01's exercises through their checker (`make exercise EX=01.1`, `01.2`): each solution,
-copied over its starter, passes; a wrong answer fails with the line that names it; a starter
-launched stops at its first TODO on every rank; arguments and bad input.
+copied over its starter, passes; each wrong answer a learner plausibly writes fails with the line
+that points at the mistake; a starter launched stops at its first TODO on every rank; arguments
+and bad input.
 
-Budget of `make test`: exercise 1's checker at 2 ranks (both modes: two launches, and
-train_single.py once as its reference) and the starter's launch; every 2-rank launch
-costs ~10 CPU-s (each rank imports torch and transformers). The notebook runs exercise 2's
-solution (with --times) and asserts its counts, bytes, parity and timeline order under nbval.
-Both checkers at 3 ranks, on the solutions and on a wrong answer each: `make test-nproc`.
---help and bad input run in this process (argparse stops the scripts before setup()).
+Budget of `make test`: exercise 1's checker at 2 ranks on the solution (both modes: two
+launches, and train_single.py once as its reference) and on the answer without the division by
+N (one launch: it fails at its first check of gradients), side by side, and the starter's launch;
+every 2-rank launch costs ~10 CPU-s (each rank imports torch and transformers). The notebook
+runs exercise 2's solution (with --times) and asserts its counts, bytes, parity and timeline
+order under nbval. Both checkers at 3 ranks, on the solutions and on the other wrong answers:
+`make test-nproc`. --help and bad input run in this process (argparse stops the scripts before
+setup()).
 """
 import pytest
 
-from conftest import check_stopped_at_todo, run_in_process, run_launcher
+from conftest import CODE, check_stopped_at_todo, run_in_process, run_launcher
 from distkit.course.exercise import check_at_once
 
 EXERCISES = ["ex01_manual_ddp.py", "ex01_overlap.py"]
@@ -19,8 +22,13 @@ EXERCISES = ["ex01_manual_ddp.py", "ex01_overlap.py"]
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    """make test: exercise 1's solution at 2 ranks (the notebook does not run it)."""
-    return check_at_once({"manual": ("01.1", None)}, tmp_path_factory.mktemp("ch01_ex"))
+    """make test: exercise 1's solution at 2 ranks (the notebook does not run it), and the
+    exercise's point missed: the summed gradients, not divided by N (AdamW hides it in the
+    losses: m / sqrt(v) does not change when every gradient is N times larger)."""
+    return check_at_once({
+        "manual": ("01.1", None),
+        "manual_no_mean": ("01.1", ("g /= env.world_size", "pass")),
+    }, tmp_path_factory.mktemp("ch01_ex"))
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +40,19 @@ def starter():
 
 @pytest.fixture(scope="module")
 def at_3(tmp_path_factory):
-    """make test-nproc: both solutions and a wrong answer to each, at 3 ranks."""
+    """make test-nproc: both solutions and the other wrong answers, at 3 ranks."""
     return check_at_once({
         "manual": ("01.1", None),
         # every rank keeps the weights of its own seed
         "manual_no_broadcast": ("01.1", ("dist.broadcast(p.detach(), src=0)", "pass")),
+        # --flat: the summed flat tensor never copied back into the gradients
+        "manual_flat_not_copied": ("01.1", ("g.copy_(synced.view_as(g))", "pass")),
         "overlap": ("01.2", None),
         # per-param steps with the sum: AdamW hides it in the losses, not in the gradients
         "overlap_no_mean": ("01.2", ("p.grad /= N", "pass")),
+        # bucketed: the count of gradients still to come not reset: no bucket after step 1
+        "overlap_missing_not_reset": ("01.2", (
+            "self.missing = [len(bucket) for bucket in self.buckets]", "pass")),
     }, tmp_path_factory.mktemp("ch01_ex3"), nprocs="largest")
 
 
@@ -56,6 +69,18 @@ def test_manual_ddp_passes(checks):
         assert f"all_reduce calls per step: {res['calls_per_step']}" in out
 
 
+def test_manual_ddp_without_the_division_is_named(checks):
+    """The missing / N passes every loss check (AdamW), not the gradient check of step 1."""
+    ok, lines, runs = checks["manual_no_mean"]
+    assert not ok
+    assert lines[-1] == ("FAIL [2 ranks] per tensor: the gradients after step 1 are 2.00x one "
+                         "process's: did you divide by the world size?")
+    (_, res, _), = runs
+    # what the mistake would pass: every loss within the tolerance of the solution's
+    (_, solution, _), _ = checks["manual"][2]
+    assert max(abs(x - y) for x, y in zip(res["losses"], solution["losses"])) < 1e-4
+
+
 @pytest.mark.second_nproc
 def test_at_3_ranks_solutions_pass_and_wrong_answers_are_named(at_3):
     for name in ("manual", "overlap"):
@@ -68,9 +93,22 @@ def test_at_3_ranks_solutions_pass_and_wrong_answers_are_named(at_3):
     assert not ok
     assert lines[-1] == ("FAIL [3 ranks] per tensor: after the broadcast the ranks' weights or "
                          "buffers still differ")
+    ok, lines, _ = at_3["manual_flat_not_copied"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [3 ranks] --flat: the gradients after step 1 are ")
+    assert lines[-1].endswith("(of the largest) away from one process's: is every gradient "
+                              "summed over the ranks (and copied back)?")
     ok, lines, _ = at_3["overlap_no_mean"]
     assert not ok
     assert lines[-1].startswith("FAIL [3 ranks] per-param: gradients differ from one process's by")
+    assert lines[-1].endswith(": 3.00x one process's: are the summed gradients divided by N?")
+    ok, lines, _ = at_3["overlap_missing_not_reset"]  # the script's own check, and its line
+    assert not ok
+    solution = (CODE / "ch01_ddp/solutions/ex01_overlap.py").read_text().splitlines()
+    line = next(i for i, text in enumerate(solution, 1) if "was never launched" in text)
+    assert lines[-1].startswith("FAIL [3 ranks] the launch failed: AssertionError: a bucket's "
+                                "all_reduce was never launched (at ")
+    assert lines[-1].endswith(f"/ch01_ddp/exercises/ex01_overlap.py:{line})")
 
 
 def test_starter_stops_at_its_first_todo(starter):

@@ -1,30 +1,61 @@
-"""Chapter 02's exercises through their checker (`make exercise EX=02.1`, `02.2`) at their largest
-world size (GPipe: 3 stages of 1 layer; the Megatron MLP: 4 ranks): each solution, copied over
-its starter, passes; a wrong answer fails with the line that names it.
+"""Chapter 02's exercises through their checker (`make exercise EX=02.1`, `02.2`): each solution,
+copied over its starter, passes; each wrong answer a learner plausibly writes fails with the line
+that points at the mistake.
 
-In `make test-nproc` (marker second_nproc), not `make test`: tests/test_ch02_pipeline.py and
-test_ch02_tensor_parallel.py run both solutions at 2 ranks, their starters' first TODO and their
-arguments. Four launches at once and naive_split.py twice as the one-process reference.
+`make test`: two wrong answers at 2 ranks, side by side (two launches and naive_split.py once as
+the one-process reference). `make test-nproc` (marker second_nproc): the solutions and the other
+wrong answers at the largest world size (GPipe: 3 stages of 1 layer; the Megatron MLP: 4 ranks).
+tests/test_ch02_pipeline.py and test_ch02_tensor_parallel.py run both solutions at 2 ranks, their
+starters' first TODO and their arguments.
 """
 import pytest
 
 from distkit.course.exercise import check_at_once
 
-pytestmark = pytest.mark.second_nproc
+
+@pytest.fixture(scope="module")
+def wrong(tmp_path_factory):
+    """make test: a wrong answer to each exercise at 2 ranks."""
+    return check_at_once({
+        # each micro-batch's whole mean loss: the gradients m times too large, the logged sum too
+        "gpipe_no_scale": ("02.1", ("out = lm_loss(out, micro[i]) / m",
+                                    "out = lm_loss(out, micro[i])")),
+        # g's backward all-reduces too: every gradient below the MLP N times too large
+        "megatron_g_backward": ("02.2", ("return grad", "return all_reduce(grad.clone())")),
+    }, tmp_path_factory.mktemp("ch02_wrong"))
 
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
+    """make test-nproc: the solutions and the other wrong answers at the largest world size."""
     return check_at_once({
         "gpipe": ("02.1", None),
-        # each micro-batch's whole mean loss: the gradients m times too large, the logged sum too
-        "gpipe_no_scale": ("02.1", ("out = lm_loss(out, micro[i]) / m",
-                                    "out = lm_loss(out, micro[i])")),
+        # the received activation does not require grad: no input gradient to send back
+        "gpipe_no_input_grad": ("02.1", ("x.requires_grad_()", None)),
         "megatron": ("02.2", None),
         "megatron_no_f": ("02.2", ("return all_reduce(grad.clone())", "return grad")),
+        # f's forward all-reduces too: the input N times over
+        "megatron_f_forward": ("02.2", ("        return x", "return all_reduce(x.clone())")),
     }, tmp_path_factory.mktemp("ch02_ex"), nprocs="largest")
 
 
+def test_gpipe_without_the_scale_is_named(wrong):
+    ok, lines, _ = wrong["gpipe_no_scale"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [2 ranks] losses differ from naive_split.py's on one "
+                                "process at step 1 by ")
+    assert lines[-1].endswith(": 4x: is each micro-batch's loss divided by m?")
+
+
+def test_megatron_g_backward_all_reducing_is_named(wrong):
+    ok, lines, _ = wrong["megatron_g_backward"]
+    assert not ok
+    assert lines[-1] == ("FAIL [2 ranks] backward: 2 all_reduce(s) of 131072 B in all; "
+                         "Megatron's MLP makes 1 of 65536 B: f's backward all-reduces, g's "
+                         "passes the gradient on")
+
+
+@pytest.mark.second_nproc
 def test_gpipe_passes(checks):
     ok, lines, _ = checks["gpipe"]
     assert ok, lines
@@ -32,21 +63,31 @@ def test_gpipe_passes(checks):
                        "(< 1e-04)"
 
 
-def test_gpipe_without_the_scale_is_named(checks):
-    ok, lines, _ = checks["gpipe_no_scale"]
+@pytest.mark.second_nproc
+def test_gpipe_without_an_input_gradient_is_named(checks):
+    ok, lines, _ = checks["gpipe_no_input_grad"]
     assert not ok
-    assert lines[-1].startswith("FAIL [3 ranks] losses differ from naive_split.py's on one "
-                                "process at step 1 by ")
+    assert lines[-1].startswith("FAIL [3 ranks] the launch failed: ")
+    assert lines[-1].endswith(": a stage's input gradient is None: does the received "
+                              "activation require grad?")
 
 
+@pytest.mark.second_nproc
 def test_megatron_passes(checks):
     ok, lines, _ = checks["megatron"]
     assert ok, lines
     assert len(lines) == 1 + 2 + 8  # no TODO left, the two counts, 4 errors x 2 versions
 
 
+@pytest.mark.second_nproc
 def test_megatron_without_f_is_named(checks):
     ok, lines, _ = checks["megatron_no_f"]
     assert not ok
     assert lines[-1] == ("FAIL [4 ranks] backward: 0 all_reduce(s) of 0 B in all; Megatron's "
-                         "MLP makes 1 of 65536 B")
+                         "MLP makes 1 of 65536 B: f's backward all-reduces, g's passes the "
+                         "gradient on")
+    ok, lines, _ = checks["megatron_f_forward"]
+    assert not ok
+    assert lines[-1] == ("FAIL [4 ranks] forward: 2 all_reduce(s) of 131072 B in all; "
+                         "Megatron's MLP makes 1 of 65536 B: g's forward all-reduces, f's "
+                         "passes x on")

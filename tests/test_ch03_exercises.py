@@ -1,11 +1,14 @@
-"""Chapter 03's exercise: through its checker (`make exercise EX=03.1`) at 3 ranks, the solution,
-copied over its starter, passes and a wrong answer fails with the line that names it (both in
-`make test-nproc`, marker second_nproc); arguments and bad input.
+"""Chapter 03's exercise through its checker (`make exercise EX=03.1`): the solution, copied over
+its starter, passes; each wrong answer a learner plausibly writes fails with the line that points
+at the mistake; arguments and bad input.
 
-In `make test` nothing is launched here: the notebook runs the solution at 2 ranks (losses and
-weights = one process, weights identical on every rank, each rank's AdamW state = one shard's
-8 S + 4 bytes, asserted under nbval), tests/test_exercises.py checks the untouched starter, and
---help and bad input run in this process (argparse stops the scripts before setup()).
+`make test`: one launch at 2 ranks, the sum reduce-scattered but not divided by N (AdamW hides it
+in the losses and weights: the gradient check of step 1 does not). The notebook runs the
+solution at 2 ranks (losses and weights = one process, weights identical on every rank, each
+rank's AdamW state = one shard's 8 S + 4 bytes, asserted under nbval); tests/test_exercises.py
+checks the untouched starter; --help and bad input run in this process (argparse stops the
+scripts before setup()). `make test-nproc` (marker second_nproc): the solution and the other
+wrong answers at 3 ranks.
 """
 import pytest
 
@@ -18,12 +21,32 @@ NPROC = 2
 
 
 @pytest.fixture(scope="module")
+def wrong(tmp_path_factory):
+    """make test: the exercise's point missed, at 2 ranks."""
+    return check_at_once({"no_mean": ("03.1", ("shard.grad /= N", None))},
+                         tmp_path_factory.mktemp("ch03_wrong"))
+
+
+@pytest.fixture(scope="module")
 def checks(tmp_path_factory):
+    """make test-nproc: the solution and the other wrong answers at 3 ranks."""
     return check_at_once({
         "solution": ("03.1", None),
         # the updated shards never reach the model: every step trains the initial weights
         "no_all_gather": ("03.1", ("dist.all_gather_single(flat, shard.detach())", None)),
+        # AdamW over the whole model, not the shard: state for Psi values (and nothing to step)
+        "whole_optimizer": ("03.1", ("optimizer = torch.optim.AdamW([shard], lr=args.lr)",
+                                     "optimizer = torch.optim.AdamW(params, lr=args.lr)")),
     }, tmp_path_factory.mktemp("ch03_ex"), nprocs="largest")
+
+
+def test_the_sum_not_divided_is_named(wrong):
+    ok, lines, runs = wrong["no_mean"]
+    assert not ok
+    assert lines[-1] == ("FAIL [2 ranks] this rank's slice of the gradient after step 1 is "
+                         "2.00x one process's: is the reduce-scattered sum divided by N?")
+    (_, res, _), = runs  # what it would pass: the losses, as AdamW divides the scale out
+    assert res["max_loss_diff"] < res["tolerances"]["loss"]
 
 
 @pytest.mark.second_nproc
@@ -31,20 +54,29 @@ def test_solution_passes(checks):
     ok, lines, runs = checks["solution"]
     assert ok, lines
     assert lines[1:] == [
+        "PASS [3 ranks] this rank's slice of the gradient after step 1 = one process's (< 1e-04 "
+        "of the largest), on every rank",
+        "PASS [3 ranks] each rank's AdamW state = 8 x S + 4 = 263,004 bytes (one process: "
+        "789,076)",
         "PASS [3 ranks] losses = one process's at every step (< 1e-04)",
         "PASS [3 ranks] weights after the last step = one process's",
-        "PASS [3 ranks] weights identical on every rank",
-        "PASS [3 ranks] each rank's AdamW state = 8 x S + 4 = 263,004 bytes (one process: 789,076)"]
+        "PASS [3 ranks] weights identical on every rank"]
     (_, res, _), = runs
     assert res["world_size"] == 3 and res["optimizer_tensors_held"] == 1
 
 
 @pytest.mark.second_nproc
-def test_a_wrong_answer_is_named(checks):
+def test_wrong_answers_are_named(checks):
     ok, lines, _ = checks["no_all_gather"]
     assert not ok
     assert lines[-1].startswith("FAIL [3 ranks] losses differ from one process's at step 2 by ")
-    assert lines[-1].endswith("(tolerance 1e-04)")
+    assert lines[-1].endswith("(tolerance 1e-04), after a first step that matched: the update "
+                              "did not reach the model: is every updated shard all-gathered "
+                              "back into the parameters?")
+    ok, lines, _ = checks["whole_optimizer"]
+    assert not ok
+    assert lines[-1] == ("FAIL [3 ranks] AdamW state per rank is [0, 0, 0] bytes, not 8 x S + 4 "
+                         "= 263,004: is the optimizer built over the shard alone?")
 
 
 # --- arguments: --help, bad input (in this process: argparse exits before setup) ---------------

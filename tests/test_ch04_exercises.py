@@ -1,8 +1,10 @@
 """Chapter 04's exercises through their checker (`make exercise EX=04.1`, `04.2`): each solution,
-copied over its starter, passes and meets its claims; a wrong answer fails with the line that
-names it (at 3 ranks, with the solutions: `make test-nproc`); arguments and bad input.
+copied over its starter, passes and meets its claims; each wrong answer a learner plausibly
+writes fails with the line that points at the mistake (the missing 1/K and .to() for to_empty()
+at 2 ranks in `make test`, the others at 3 ranks, with the solutions: `make test-nproc`);
+arguments and bad input.
 
-Budget of `make test`: two 2-rank launches at once, where every process that imports torch and
+Budget of `make test`: four 2-rank launches at once, where every process that imports torch and
 transformers costs ~4.5 s of CPU before it does anything (measured; the scripts' own work is
 under 1.5 s). Each solution trains its one-process reference itself. The untouched starters'
 first TODO is tests/test_exercises.py's (no launch). --help and bad input run in this process:
@@ -21,9 +23,15 @@ NPROC = 2
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    """make test: both solutions at 2 ranks."""
-    return check_at_once({"meta": ("04.1", None), "accum": ("04.2", None)},
-                         tmp_path_factory.mktemp("ch04_ex"))
+    """make test: both solutions and a wrong answer to each at 2 ranks."""
+    return check_at_once({
+        "meta": ("04.1", None), "accum": ("04.2", None),
+        # .to() where the meta model needs to_empty(): a meta tensor has no data to copy
+        "meta_to": ("04.1", ("model.to_empty(device=env.device)", "model.to(env.device)")),
+        # each micro-batch's whole mean loss: the K losses add up to K times the batch's
+        "accum_no_k": ("04.2", (".loss / K", "loss = model(input_ids=micro[k], "
+                                             "labels=micro[k]).loss")),
+    }, tmp_path_factory.mktemp("ch04_ex"))
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +45,28 @@ def at_3(tmp_path_factory):
         # sync on for every micro-batch in the "last" mode too: K reduce-scatters per unit
         "accum_always_sync": ("04.2", ("model.set_requires_gradient_sync(k == K - 1)",
                                        "model.set_requires_gradient_sync(True)")),
+        # sync turned off and never on again: no reduce-scatter, no sharded gradient to step
+        "accum_never_sync": ("04.2", ("model.set_requires_gradient_sync(k == K - 1)",
+                                      "model.set_requires_gradient_sync(False)")),
     }, tmp_path_factory.mktemp("ch04_ex3"), nprocs="largest")
+
+
+def test_meta_init_with_to_is_named(checks):
+    ok, lines, _ = checks["meta_to"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [2 ranks] the launch failed: NotImplementedError: Cannot "
+                                "copy out of meta tensor; no data! Please use "
+                                "torch.nn.Module.to_empty() instead of torch.nn.Module.to()")
+    assert lines[-1].endswith("/ch04_fsdp2/exercises/ex04_meta_init.py:72)")  # torch's own text
+
+
+def test_grad_accum_without_the_1_over_k_is_named(checks):
+    """The losses at step 1 are exactly K = 4 times one process's: the message says so."""
+    ok, lines, _ = checks["accum_no_k"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [2 ranks] sync every micro-batch: losses differ from one "
+                                "process's on the global batch at step 1 by ")
+    assert lines[-1].endswith(": 4x: is each micro-batch's loss divided by K?")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +95,13 @@ def test_at_3_ranks_solutions_pass_and_wrong_answers_are_named(at_3):
     ok, lines, _ = at_3["accum_always_sync"]
     assert not ok
     assert lines[-1] == ("FAIL [3 ranks] sync on the last only: [12] reduce-scatters per step, "
-                         "expected 3 (3 FSDP units, once per step)")
+                         "expected 3 (3 FSDP units, once per step): is the sync off for all "
+                         "but the last micro-batch?")
+    ok, lines, _ = at_3["accum_never_sync"]
+    assert not ok
+    assert lines[-1] == ("FAIL [3 ranks] sync on the last only: [0] reduce-scatters per step, "
+                         "expected 3 (3 FSDP units, once per step): is the sync on again for "
+                         "the last micro-batch?")
 
 
 # --- exercise 1: meta-device init, solution ---------------------------------------------------

@@ -1,11 +1,13 @@
 """Chapter 05's exercise through its checker (`make exercise EX=05.1`): the solution, copied over
-its starter, resumes bit-identically to the run that never stopped; a forgotten LR schedule is
-named, with the step it shows at; arguments and bad input.
+its starter, resumes bit-identically to the run that never stopped; each wrong answer a learner
+plausibly writes (a forgotten LR schedule, epoch shuffle, skip or step count) is named, with the
+step it shows at; arguments and bad input.
 
 Budget of `make test`: one launch of the solution with its defaults (~10 CPU-s: every process
 imports torch and transformers; both runs, the checkpoint and the checks are in one launch; the
-assertions below pin 12 steps, the checkpoint after step 5). The checker at 3 ranks, on the
-solution and on a wrong answer: `make test-nproc`. The untouched starter's first TODO is
+assertions below pin 12 steps, the checkpoint after step 5) beside the checker's launch of a
+wrong answer (the epoch's shuffle forgotten). The checker at 3 ranks, on the solution and on the
+other wrong answers: `make test-nproc`. The untouched starter's first TODO is
 tests/test_exercises.py's. --help and bad input run in this process: argparse stops the scripts
 before setup().
 """
@@ -22,9 +24,17 @@ NPROC = 2
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """make test: {"solution": (json, stdout)}, the solution launched with its defaults."""
-    return {"solution": run_json(tmp_path_factory.mktemp("ch05_ex"), NPROC,
-                                 RESUME.format("solutions"))}
+    """make test: {"solution": (json, stdout)}, the solution launched with its defaults, and
+    {"no_set_epoch": (passed, lines, runs)}, the checker at 2 ranks on a wrong answer, side by
+    side."""
+    from concurrent.futures import ThreadPoolExecutor
+    tmp = tmp_path_factory.mktemp("ch05_ex")
+    with ThreadPoolExecutor(2) as pool:
+        # the resumed epoch read in epoch 0's order: set_epoch forgotten
+        wrong = pool.submit(check_at_once, {"no_set_epoch": (
+            "05.1", ("loader.sampler.set_epoch(epoch)", "pass"))}, tmp / "wrong")
+        solution = run_json(tmp, NPROC, RESUME.format("solutions"))
+        return {"solution": solution, **wrong.result()}
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +44,26 @@ def at_3(tmp_path_factory):
         "solution": ("05.1", None),
         # the scheduler restarts at the resume: the first step off is K + 2
         "no_schedule": ("05.1", ('self.scheduler.load_state_dict(state["scheduler"])', None)),
+        # the steps done not put back: the resume starts again from step 1
+        "no_step": ("05.1", ('self.step = state["step"]', None)),
+        # the batches of the resumed epoch already trained on not skipped
+        "no_skip": ("05.1", ("yield from itertools.islice(loader, skip, None)",
+                             "yield from loader")),
     }, tmp_path_factory.mktemp("ch05_ex3"), nprocs="largest")
 
 
+def test_a_forgotten_epoch_shuffle_is_named(runs):
+    ok, lines, _ = runs["no_set_epoch"]
+    assert not ok
+    # the resume agrees with the uninterrupted run (both read every epoch alike): not a resume
+    # check but the epochs' orders show it
+    assert lines[-1] == ("FAIL [2 ranks] the uninterrupted run reads epoch 1 in epoch 0's "
+                         "order: does batches_after() give each epoch its own shuffle "
+                         "(set_epoch)?")
+
+
 @pytest.mark.second_nproc
-def test_at_3_ranks_the_solution_passes_and_a_forgotten_schedule_is_named(at_3):
+def test_at_3_ranks_the_solution_passes_and_wrong_answers_are_named(at_3):
     ok, lines, _ = at_3["solution"]
     assert ok, lines
     ok, lines, _ = at_3["no_schedule"]
@@ -47,6 +72,16 @@ def test_at_3_ranks_the_solution_passes_and_a_forgotten_schedule_is_named(at_3):
                                 "LR: step 7 ran at LR ")
     assert lines[-1].endswith("the LR schedule restarted (Progress must save and load the "
                               "scheduler's state)")
+    ok, lines, _ = at_3["no_step"]
+    assert not ok
+    assert lines[-1] == ("FAIL [3 ranks] the resume trained steps [1, 2, 3, 4, 5, 6, 7, 8], not "
+                         "6..8: Progress does not restore the steps done")
+    ok, lines, _ = at_3["no_skip"]
+    assert not ok
+    assert lines[-1] == (
+        "FAIL [3 ranks] step 6 differs from the uninterrupted run in its batch: step 6 read "
+        "other sequences than the uninterrupted run: the batches already trained on were not "
+        "skipped right (which epoch? which batch in it? that epoch's shuffle, set_epoch?)")
 
 
 # --- the solution ---------------------------------------------------------------------------

@@ -1,14 +1,15 @@
 """Chapter 07's exercise through its checker (`make exercise EX=07.1`): early stopping decided on
 the whole validation set stops every rank at the same step, with one process's loss; a mean of
-the ranks' means is named; arguments and bad input.
+the ranks' means is named, and so is the bug itself, each rank deciding on its own shard (the
+ranks part and wait in collectives the others never call, until the process group's timeout);
+arguments and bad input.
 
-Budget of `make test`: the checker's 2-rank launch of the solution (~5 CPU-s); at 3 ranks, on
-the solution and on the wrong answer: `make test-nproc`. The bug itself (each rank deciding on
-its shard) is not launched here: it ends only at the process-group timeout; measured by hand
-with the starter's todo() line deleted and --timeout 10: rank 0 leaves the loop at step 20 and
-waits in all_gather_object, rank 1 waits in step 21's gradient all_reduce, both fail with gloo's
-"Timed out waiting 10000ms" (17.6 s for the launch, on a busy machine). The untouched starter's
-first TODO is tests/test_exercises.py's.
+Budget of `make test`: the checker's 2-rank launches of the solution and of both wrong answers,
+side by side (~5 CPU-s each: no transformers). The hang ends at the checker's --timeout 15: rank
+0 leaves the loop at step 20 and waits in all_gather_object, rank 1 waits in step 21's gradient
+all_reduce, both fail with gloo's "Timed out waiting 15000ms" (about 20 s of wall time, little
+CPU). At 3 ranks, on the solution and on the mean of means: `make test-nproc`. The untouched
+starter's first TODO is tests/test_exercises.py's.
 """
 import pytest
 
@@ -21,8 +22,16 @@ MARGIN = 1e-3  # every validation loss this far from --target: the stop steps ar
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    """make test: the solution at 2 ranks."""
-    return check_at_once({"solution": ("07.1", None)}, tmp_path_factory.mktemp("ch07_ex"))
+    """make test: the solution and two wrong answers at 2 ranks."""
+    return check_at_once({
+        "solution": ("07.1", None),
+        # each rank decides on its own shard: the starter with todo() deleted
+        "own_shard": ("07.1", ("dist.all_reduce(total)", None)),
+        # every rank the same number, but a mean of the ranks' means (501 and 500 samples)
+        "mean_of_means": ("07.1", ("dist.all_reduce(total)",
+                                   "total = sums.new_tensor([mean(sums), 1.0]); "
+                                   "dist.all_reduce(total)")),
+    }, tmp_path_factory.mktemp("ch07_ex"))
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +52,23 @@ def runs(checks):
     assert ok, lines
     (_, res, out), = launches
     return {"solution": (res, out)}
+
+
+def test_deciding_on_its_own_shard_is_named(checks):
+    ok, lines, _ = checks["own_shard"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [2 ranks] the launch failed: ")
+    assert "Timed out" in lines[-1]
+    assert lines[-1].endswith(": the ranks waited in collectives the others never called: do "
+                              "they all compare the same number with --target?")
+
+
+def test_a_mean_of_means_is_named_at_2_ranks(checks):
+    ok, lines, _ = checks["mean_of_means"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [2 ranks] the validation loss differs from one process's "
+                                "by ")
+    assert lines[-1].endswith("(tolerance 1e-06): a mean of the ranks' means?")
 
 
 @pytest.mark.second_nproc

@@ -39,11 +39,13 @@ todo("(a) mean_of_means: the average of the per-rank means, one all_reduce")
 # one all_reduce add up, so that every rank can divide? (torch.stack builds one tensor.)
 todo("(b) exact: the mean over all samples of all ranks, one all_reduce")
 
-# The single-process reference: every sample in one place.
+# The single-process references: every sample in one place, and every rank's mean.
 reference = torch.cat([losses_of(r) for r in range(env.world_size)]).mean().item()
-print0(f"mean of per-rank means: {mean_of_means.item():.6f}")
+reference_means = torch.stack([losses_of(r).mean() for r in range(env.world_size)]).mean().item()
+print0(f"mean of per-rank means: {mean_of_means.item():.6f} (single process: "
+       f"{reference_means:.6f})")
 print0(f"all_reduce([sum, count]): {exact:.6f}")
 print0(f"single process, all samples: {reference:.6f}")
 write_json(args.json, {"mean_of_means": mean_of_means.item(), "exact": exact,
-                       "reference": reference})
+                       "reference": reference, "reference_mean_of_means": reference_means})
 teardown()

@@ -35,13 +35,31 @@ parser.add_argument("--batch-size", type=int, default=8, help="sequences per ste
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
 parser.add_argument("--flat", action="store_true", help="all-reduce all gradients as one tensor")
-parser.add_argument("--json", help="write per-step losses and all-reduce counts here")
+parser.add_argument("--json", help="write per-step losses, all-reduce counts and the gradient "
+                    "check here")
 args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))
 if args.batch_size < 1:
     parser.error("--batch-size must be positive")
 if args.samples < world * args.batch_size:
     parser.error(f"need --samples >= {world} processes x --batch-size")
+
+
+def one_process_grads(tokens):
+    """The check's reference: the gradients one process computes on this step's global batch
+    (every rank's sequences, gathered), from the same weights; .grad is left alone."""
+    everyone = [torch.empty_like(tokens) for _ in range(env.world_size)]
+    dist.all_gather(everyone, tokens)
+    batch = torch.cat(everyone)
+    return torch.autograd.grad(model(input_ids=batch, labels=batch).loss, params)
+
+
+def gap_to(reference, grads) -> dict:
+    """How far the synced gradients lie from one process's: the largest difference over the
+    largest gradient, and the scale between them (1: the mean; N: the sum over the ranks)."""
+    g = torch.cat([x.reshape(-1) for x in grads])
+    r = torch.cat([x.reshape(-1) for x in reference])
+    return {"gap": ((g - r).abs().max() / r.abs().max()).item(), "scale": (g @ r / (r @ r)).item()}
 
 
 env = setup()
@@ -69,6 +87,7 @@ for epoch in range(args.epochs):
     sampler.set_epoch(epoch)
     for (tokens,) in loader:
         tokens = tokens.to(env.device)
+        reference = one_process_grads(tokens) if not losses else None  # step 1: the check's
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         grads = [p.grad for p in params]
@@ -84,6 +103,10 @@ for epoch in range(args.epochs):
         # TODO(you): the summed gradients into the gradient of the one-process loss, a mean over the
         # global batch.
         todo("divide every gradient by the world size")
+        if reference is not None:  # the check: step 1's synced gradients against one process's
+            grad_check = gap_to(reference, grads)
+            print0(f"step 1: gradients = one process's (< 1e-4 of the largest): "
+                   f"{grad_check['gap'] < 1e-4} (x{grad_check['scale']:.2f})")
         optimizer.step()
         optimizer.zero_grad()
         loss = loss.detach()
@@ -95,5 +118,5 @@ print0(f"all_reduce calls per step: {calls // len(losses)}")
 identical["end"] = same_on_all_ranks(params)  # every rank took the same steps
 print0(f"after training, weights identical: {identical['end']}")
 write_json(args.json, {"losses": losses, "calls_per_step": calls // len(losses),
-                       "identical": identical})
+                       "identical": identical, "grad_check": grad_check})
 teardown()

@@ -34,13 +34,31 @@ parser.add_argument("--batch-size", type=int, default=8, help="sequences per ste
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
 parser.add_argument("--flat", action="store_true", help="all-reduce all gradients as one tensor")
-parser.add_argument("--json", help="write per-step losses and all-reduce counts here")
+parser.add_argument("--json", help="write per-step losses, all-reduce counts and the gradient "
+                    "check here")
 args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))
 if args.batch_size < 1:
     parser.error("--batch-size must be positive")
 if args.samples < world * args.batch_size:
     parser.error(f"need --samples >= {world} processes x --batch-size")
+
+
+def one_process_grads(tokens):
+    """The check's reference: the gradients one process computes on this step's global batch
+    (every rank's sequences, gathered), from the same weights; .grad is left alone."""
+    everyone = [torch.empty_like(tokens) for _ in range(env.world_size)]
+    dist.all_gather(everyone, tokens)
+    batch = torch.cat(everyone)
+    return torch.autograd.grad(model(input_ids=batch, labels=batch).loss, params)
+
+
+def gap_to(reference, grads) -> dict:
+    """How far the synced gradients lie from one process's: the largest difference over the
+    largest gradient, and the scale between them (1: the mean; N: the sum over the ranks)."""
+    g = torch.cat([x.reshape(-1) for x in grads])
+    r = torch.cat([x.reshape(-1) for x in reference])
+    return {"gap": ((g - r).abs().max() / r.abs().max()).item(), "scale": (g @ r / (r @ r)).item()}
 
 
 env = setup()
@@ -76,6 +94,7 @@ for epoch in range(args.epochs):
     sampler.set_epoch(epoch)
     for (tokens,) in loader:
         tokens = tokens.to(env.device)
+        reference = one_process_grads(tokens) if not losses else None  # step 1: the check's
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         grads = [p.grad for p in params]
@@ -103,6 +122,10 @@ for epoch in range(args.epochs):
         for g in grads:
             g /= env.world_size  # sum -> mean, as the single process's loss is a mean
         ### END SOLUTION
+        if reference is not None:  # the check: step 1's synced gradients against one process's
+            grad_check = gap_to(reference, grads)
+            print0(f"step 1: gradients = one process's (< 1e-4 of the largest): "
+                   f"{grad_check['gap'] < 1e-4} (x{grad_check['scale']:.2f})")
         optimizer.step()
         optimizer.zero_grad()
         loss = loss.detach()
@@ -114,7 +137,7 @@ print0(f"all_reduce calls per step: {calls // len(losses)}")
 identical["end"] = same_on_all_ranks(params)  # every rank took the same steps
 print0(f"after training, weights identical: {identical['end']}")
 write_json(args.json, {"losses": losses, "calls_per_step": calls // len(losses),
-                       "identical": identical})
+                       "identical": identical, "grad_check": grad_check})
 teardown()
 
 ### BEGIN SOLUTION
@@ -126,5 +149,6 @@ teardown()
 # 3. Hardly at all: AdamW's step is m / (sqrt(v) + eps), and a gradient multiplied by N
 #    multiplies m by N and sqrt(v) by N, so only eps (1e-8) notices; its weight decay does not
 #    read the gradient. The losses land within the tolerance of one process's: this mistake
-#    hides under Adam (the checker cannot catch it). With SGD the step would be N times larger.
+#    hides under Adam, and only the gradients show it ("step 1: gradients = one process's:
+#    False (x2.00)" at N = 2). With SGD the step would be N times larger.
 ### END SOLUTION

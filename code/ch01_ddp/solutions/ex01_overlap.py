@@ -263,7 +263,7 @@ for mode in modes:
         sync = PerParam(model, timeline)
     else:
         sync = Bucketed(model, timeline, args.bucket_mb)
-    losses, grad_gaps, steps = [], [], []
+    losses, grad_gaps, steps, scale = [], [], [], None
     for step in range(args.steps):
         mine = batches[step, env.rank * b:(env.rank + 1) * b]
         dist.barrier()  # measurement: every rank starts the step together
@@ -274,7 +274,10 @@ for mode in modes:
         sync.finish()  # wait for the all_reduces; gradients are now averaged
         finished = timeline.now()
         calls = timeline.collect()
-        grad_gaps.append((grad_vector(params) - single["grads"][step]).abs().max().item())
+        g, ref = grad_vector(params), single["grads"][step]
+        grad_gaps.append((g - ref).abs().max().item())
+        if scale is None:  # step 1's gradients over one process's (1: the mean; N: the sum)
+            scale = (g @ ref / (ref @ ref)).item()
         optimizer.step()
         optimizer.zero_grad()
         loss = loss.detach()
@@ -287,7 +290,7 @@ for mode in modes:
         "calls_per_step": [len(s["calls"]) for s in steps],
         "bytes_per_step": [sum(c["bytes"] for c in s["calls"]) for s in steps],
         "max_loss_diff": max(abs(x - y) for x, y in zip(losses, single["losses"])),
-        "max_grad_diff": max(grad_gaps),
+        "max_grad_diff": max(grad_gaps), "grad_scale": scale,
         "max_weight_diff": (parameters_to_vector(params) - single["weights"]).abs().max().item(),
         # medians over steps 2.. (step 1 includes one-time warm-up costs)
         "backward_ms": 1e3 * statistics.median(s["backward_end"] for s in steps[1:]),

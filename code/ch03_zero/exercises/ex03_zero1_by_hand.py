@@ -44,6 +44,7 @@ from distkit.toy import counting_data, tiny_llama
 # Against one process: float32 rounding differs (the gradient summed in another order); a wrong
 # shard, a missing division by N or a stale copy-back miss by far more.
 LOSS_TOL, WEIGHT_TOL = 1e-4, 1e-4
+GRAD_TOL = 1e-4  # step 1's gradient, relative to its largest value (AdamW hides a wrong scale)
 SEED = 0
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--steps", type=int, default=6, help="training steps")
@@ -53,6 +54,15 @@ parser.add_argument("--json", help="write losses, parity and optimizer-state byt
 args = parser.parse_args()
 if args.steps < 1 or args.batch_size < 1:
     parser.error("need --steps >= 1 and --batch-size >= 1")
+
+
+def gap_to(reference: torch.Tensor, grad: torch.Tensor | None) -> dict:
+    """How far a gradient lies from one process's: the largest difference over the largest
+    value, and the scale between them (1: the mean; N: the sum over the ranks)."""
+    if grad is None:
+        return {"gap": None, "scale": None}
+    return {"gap": ((grad - reference).abs().max() / reference.abs().max()).item(),
+            "scale": (grad @ reference / (reference @ reference)).item()}
 
 
 def state_bytes(optimizer) -> int:
@@ -78,6 +88,8 @@ single_losses = []
 for step in range(args.steps):
     loss = model(input_ids=batches[step], labels=batches[step]).loss
     loss.backward()
+    if step == 0:  # for the check of the first reduce-scatter
+        single_grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     reference.step()
     reference.zero_grad()
     single_losses.append(loss.item())
@@ -95,6 +107,7 @@ padded = N * S
 flat = torch.zeros(padded, device=env.device)  # every rank's full copy, padding zeros at the end
 flat[:psi] = parameters_to_vector(params).detach()
 pad = torch.zeros(padded - psi, device=env.device)  # the padding's gradient: always zero
+single_grad = torch.cat([single_grad, pad])
 # TODO(you): rank r owns values [r*S, (r+1)*S) of flat. Its shard must be a tensor of its own that
 # the optimizer can update (a leaf that requires grad, not a view of flat), and the AdamW built over
 # the shard alone, so that its state exists for S values only. Look up: Tensor.clone,
@@ -113,6 +126,8 @@ for step in range(args.steps):
     # dist.reduce_scatter_single (formerly reduce_scatter_tensor;
     # torch/distributed/distributed_c10d.py).
     todo("reduce-scatter flat_grad into shard.grad, then divide it by N")
+    if step == 0:  # the check: this rank's slice of the synced gradient against one process's
+        grad_check = gap_to(single_grad[lo:hi], shard.grad)
     optimizer.step()  # AdamW on S values: the only place this rank's optimizer state lives
     optimizer.zero_grad()
     # TODO(you): every rank needs every rank's updated shard in its flat copy, then the model's
@@ -126,8 +141,12 @@ for step in range(args.steps):
     # 3 decimals: further digits differ in the last float bits between CPUs and world sizes
     print0(f"step {step + 1:2d}  loss {losses[-1]:.3f}  (one process: {single_losses[step]:.3f})")
 
+grad_checks = [None] * N  # every rank's slice
+dist.all_gather_object(grad_checks, grad_check)
 max_loss_diff = max(abs(x - y) for x, y in zip(losses, single_losses))
 max_weight_diff = (parameters_to_vector(params) - single_weights).abs().max().item()
+grad_ok = all(c["gap"] is not None and c["gap"] < GRAD_TOL for c in grad_checks)
+print0(f"step 1's gradient, every rank's slice    = one process's: {grad_ok}")
 print0(f"max loss difference vs one process        < 1e-4: {max_loss_diff < LOSS_TOL}")
 print0(f"max weight difference after the last step < 1e-4: {max_weight_diff < WEIGHT_TOL}")
 
@@ -147,7 +166,8 @@ write_json(args.json, {
     "num_params": psi, "num_param_tensors": len(params), "padded": padded, "shard_size": S,
     "losses": losses, "single_losses": single_losses,
     "max_loss_diff": max_loss_diff, "max_weight_diff": max_weight_diff,
-    "tolerances": {"loss": LOSS_TOL, "weight": WEIGHT_TOL},
+    "tolerances": {"loss": LOSS_TOL, "weight": WEIGHT_TOL, "grad": GRAD_TOL},
+    "grad_checks": grad_checks,
     "parity": max_loss_diff < LOSS_TOL and max_weight_diff < WEIGHT_TOL,
     "optimizer_state_bytes": per_rank, "optimizer_tensors_held": len(optimizer.state),
     "single_optimizer_state_bytes": single_state, "ratio": ratio, "identical": identical})

@@ -191,6 +191,10 @@ first = train(model, optimizer, scheduler, loader, Progress(scheduler), save_to=
 assert len(first) == args.steps, (f"the first run trained {len(first)} of {args.steps} steps: "
                                   f"batches_after() must go on, epoch after epoch")
 first_digest = state_digest(model, optimizer)
+# Each epoch its own shuffle: epoch 1 reads another order than epoch 0 (in the run's first steps)
+per_epoch = len(loader)
+reshuffled = args.steps < 2 * per_epoch or not all(
+    torch.equal(first[i]["tokens"], first[i + per_epoch]["tokens"]) for i in range(per_epoch))
 del model, optimizer, scheduler, loader  # the restart keeps nothing in memory but the folder
 
 # 2. The restart: everything new, then the checkpoint loaded into it.
@@ -237,6 +241,7 @@ write_json(args.json, {
     "same_batch": same_batch, "same_lr": same_lr, "same_loss": same_loss,
     "loaded_equal": loaded_equal, "bit_identical": bit_identical,
     "digest_equal": digest_equal, "digest": first_digest, "problem": problem,
+    "reshuffled": reshuffled,
     "seconds": seconds})
 dist.barrier()  # every rank is done with the checkpoint before rank 0 removes it
 if not args.ckpt_dir and env.rank == 0:

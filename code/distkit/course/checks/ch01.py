@@ -1,6 +1,6 @@
 """Exercise checks for chapter 01 (DDP); see distkit/course/checks/__init__.py."""
 from distkit.course.exercise import exercise
-from distkit.course.checks import losses_match
+from distkit.course.checks import gradient_matches, losses_match
 
 
 @exercise("01.1", "ch01_ddp/exercises/ex01_manual_ddp.py")
@@ -16,6 +16,11 @@ def manual_ddp(run):
                "proves nothing (keep torch.manual_seed(env.rank))")
         yield (ident["broadcast"], f"{mode}: after the broadcast, weights and buffers identical",
                f"{mode}: after the broadcast the ranks' weights or buffers still differ")
+        # AdamW divides a constant scale out of its steps: the losses cannot show a missing / N
+        yield gradient_matches(res["grad_check"], 1e-4, "the gradients after step 1",
+                               "did you divide by the world size?",
+                               "is every gradient summed over the ranks"
+                               + (" (and copied back)?" if flag else "?"), label=f"{mode}: ")
         if single is None:  # the one-process reference, once, when the first losses are due
             single = run.single("ch01_ddp/train_single.py", "--batch-size", run.nproc * b,
                                 "--samples", samples)["losses"]
@@ -33,23 +38,31 @@ def overlap(run):
     res = run("--steps", "3")
     n, grad_bytes = res["num_param_tensors"], res["grad_bytes"]
     for mode, r in res["modes"].items():
-        for what, key, tol in (("losses", "loss", 1e-5), ("gradients", "grad", 1e-5),
-                               ("weights", "weight", 1e-4)):
-            gap = r[f"max_{key}_diff"]
-            yield (gap < tol, f"{mode}: {what} = one process's (< {tol:.0e})",
-                   f"{mode}: {what} differ from one process's by {gap:.1e} (tolerance {tol:.0e})")
+        # what each step launched first (a miscount points at the mistake), then the numbers
+        want = {"flat": 1, "per-param": n, "bucketed": len(r.get("buckets", []))}[mode]
+        calls = r["calls_per_step"]
+        yield (set(calls) == {want}, f"{mode}: {want} all_reduce(s) per step",
+               f"{mode}: all_reduces per step {calls}, expected {want} every step: is "
+               "everything reset for the next step?" if want in calls else
+               f"{mode}: all_reduces per step {calls}, expected {want}")
         bytes_ = set(r["bytes_per_step"])
         yield (bytes_ == {grad_bytes}, f"{mode}: every gradient byte all-reduced once per step",
                f"{mode}: {sorted(bytes_)} bytes all-reduced per step, the gradients are "
                f"{grad_bytes:,}")
-        calls = set(r["calls_per_step"])
-        want = {"flat": 1, "per-param": n, "bucketed": len(r.get("buckets", []))}[mode]
-        yield (calls == {want}, f"{mode}: {want} all_reduce(s) per step",
-               f"{mode}: {sorted(calls)} all_reduces per step, expected {want}")
         if mode != "flat":
             during = all(c["launched"] < s["backward_end"] for s in r["steps"] for c in s["calls"])
             yield (during, f"{mode}: every all_reduce launched during backward",
                    f"{mode}: an all_reduce was launched after backward ended: no overlap")
+        scale = r["grad_scale"]
+        k = round(scale)
+        why = (f": {scale:.2f}x one process's: are the summed gradients divided by N?"
+               if k > 1 and abs(scale - k) < 1e-3 * k else "")
+        for what, key, tol in (("gradients", "grad", 1e-5), ("losses", "loss", 1e-5),
+                               ("weights", "weight", 1e-4)):
+            gap = r[f"max_{key}_diff"]
+            yield (gap < tol, f"{mode}: {what} = one process's (< {tol:.0e})",
+                   f"{mode}: {what} differ from one process's by {gap:.1e} (tolerance {tol:.0e})"
+                   + (why if what == "gradients" else ""))
     buckets = res["modes"]["bucketed"]["buckets"]
     cap = res["bucket_mb"] * 2**20
     yield (1 < len(buckets) < n and all(x >= cap for x in buckets[:-1]),

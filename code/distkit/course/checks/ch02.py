@@ -1,5 +1,5 @@
 """Exercise checks for chapter 02 (model parallelism); see distkit/course/checks/__init__.py."""
-from distkit.course.exercise import exercise
+from distkit.course.exercise import Fail, exercise
 from distkit.course.checks import losses_match
 
 
@@ -10,8 +10,14 @@ def gpipe(run):
     args = ("--microbatches", m, "--layers", layers, "--samples", samples, "--epochs", 1)
     single = run.single("ch02_model_parallel/naive_split.py", "--layers", layers,
                         "--samples", samples, "--epochs", 1)["losses"]
-    res = run(*args)
-    yield losses_match(res["losses"], single, 1e-4, "naive_split.py's on one process")
+    try:
+        res = run(*args)
+    except Fail as fail:  # a received activation that does not require grad: no grad to send
+        hint = (": a stage's input gradient is None: does the received activation require grad?"
+                if "NoneType" in str(fail) or "None" in str(fail).split(":")[-1] else "")
+        raise Fail(f"{fail}{hint}") from None
+    yield losses_match(res["losses"], single, 1e-4, "naive_split.py's on one process",
+                       scaled="is each micro-batch's loss divided by m?")
     steps = samples // batch
     forwards = [sum(s[0] == "F" for s in spans) for spans in res["spans"]]
     yield (forwards == [m * steps] * run.nproc,
@@ -27,10 +33,13 @@ def gpipe(run):
 def megatron(run):
     res = run()
     act = res["activation_bytes"]
+    which = {"forward": "g's forward all-reduces, f's passes x on",
+             "backward": "f's backward all-reduces, g's passes the gradient on"}
     for way in ("forward", "backward"):
         n, b = res["all_reduce_calls"][way], res["all_reduce_bytes"][way]
         yield ((n, b) == (1, act), f"{way}: 1 all_reduce of one [B, S, h] activation ({act} B)",
-               f"{way}: {n} all_reduce(s) of {b} B in all; Megatron's MLP makes 1 of {act} B")
+               f"{way}: {n} all_reduce(s) of {b} B in all; Megatron's MLP makes 1 of {act} B: "
+               f"{which[way]}")
     for name, errors in res["errors"].items():
         for what, err in errors.items():
             tol = res["tolerances"][what]

@@ -1,18 +1,20 @@
 """Exercise checks for chapter 03 (ZeRO); see distkit/course/checks/__init__.py."""
 from distkit.course.exercise import exercise
-from distkit.course.checks import losses_match
+from distkit.course.checks import gradient_matches, losses_match
 
 
 @exercise("03.1", "ch03_zero/exercises/ex03_zero1_by_hand.py")
 def zero1(run):
     res = run("--steps", "3")
     N = run.nproc
-    yield losses_match(res["losses"], res["single_losses"], res["tolerances"]["loss"])
-    yield (res["max_weight_diff"] < res["tolerances"]["weight"],
-           "weights after the last step = one process's",
-           f"weights differ from one process's by {res['max_weight_diff']:.1e} after the last step")
-    yield (res["identical"], "weights identical on every rank",
-           "the ranks' weights differ after training: is every shard all-gathered back?")
+    # AdamW divides a constant scale out of its steps: the losses cannot show a missing / N,
+    # step 1's gradient does. The worst rank's slice:
+    worst = max(res["grad_checks"], key=lambda c: float("inf") if c["gap"] is None else c["gap"])
+    ok, passed, failed = gradient_matches(
+        worst, res["tolerances"]["grad"], "this rank's slice of the gradient after step 1",
+        "is the reduce-scattered sum divided by N?",
+        "is shard.grad this rank's slice of the gradient summed over the ranks?", be="is")
+    yield ok, f"{passed}, on every rank", failed
     S = res["shard_size"]
     # chapter 03's calculator: ZeRO-1's optimizer bytes of the padded S x N values, over N ranks,
     # + AdamW's one step counter (the shard is one tensor)
@@ -23,3 +25,11 @@ def zero1(run):
            f"{res['single_optimizer_state_bytes']:,})",
            f"AdamW state per rank is {res['optimizer_state_bytes']} bytes, not 8 x S + 4 = "
            f"{want[0]:,}: is the optimizer built over the shard alone?")
+    yield losses_match(res["losses"], res["single_losses"], res["tolerances"]["loss"],
+                       later="the update did not reach the model: is every updated shard "
+                       "all-gathered back into the parameters?")
+    yield (res["max_weight_diff"] < res["tolerances"]["weight"],
+           "weights after the last step = one process's",
+           f"weights differ from one process's by {res['max_weight_diff']:.1e} after the last step")
+    yield (res["identical"], "weights identical on every rank",
+           "the ranks' weights differ after training: is every shard all-gathered back?")

@@ -5,7 +5,7 @@ from distkit.course.checks import losses_match
 
 @exercise("04.1", "ch04_fsdp2/exercises/ex04_meta_init.py")
 def meta_init(run):
-    res = run("--steps", "3")
+    res = run("--steps", "3")  # .to() for to_empty(): torch's own error names the fix
     N = run.nproc
     names = ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
     exact = res["inv_freq_exact"]
@@ -26,11 +26,16 @@ def grad_accum(run):
     res = run("--steps", "2", "--micro-batches", k)
     units = res["fsdp_units"]
     for mode, r in res["modes"].items():
-        yield losses_match(r["losses"], res["single_losses"], res["tolerance"],
-                           "one process's on the global batch")
+        # the collectives first: a miscount says which micro-batch's sync is wrong
         want = k * units if mode == "every" else units
         got = {c.get("_reduce_scatter_base_", 0) for c in r["counts"]}
         label = {"every": "sync every micro-batch", "last": "sync on the last only"}[mode]
+        hint = ("" if mode == "every" else ": is the sync off for all but the last micro-batch?"
+                if max(got) > want else ": is the sync on again for the last micro-batch?")
         yield (got == {want}, f"{label}: {want} reduce-scatters per step ({units} FSDP units)",
                f"{label}: {sorted(got)} reduce-scatters per step, expected {want} "
-               f"({units} FSDP units{', once per step' if mode == 'last' else ''})")
+               f"({units} FSDP units{', once per step' if mode == 'last' else ''}){hint}")
+        yield losses_match(r["losses"], res["single_losses"], res["tolerance"],
+                           "one process's on the global batch", label=f"{label}: ",
+                           scaled="is each micro-batch's loss divided by K?",
+                           later="the gradients of a step were not those of the whole batch")

@@ -1,4 +1,5 @@
-"""Exercise checks for chapter 05 (distributed checkpoints); see distkit/course/checks/__init__.py."""
+"""Exercise checks for chapter 05 (distributed checkpoints); see
+distkit/course/checks/__init__.py."""
 from distkit.course.exercise import exercise
 
 
@@ -8,6 +9,9 @@ def resume(run):
     N = run.nproc
     res = run("--steps", "8", "--save-at", "5", "--global-batch", 4 * N, "--samples", 16 * N,
               "--ckpt-dir", run.tmp / f"ckpt{N}")
+    yield (res["reshuffled"], "the uninterrupted run gives each epoch its own shuffle",
+           "the uninterrupted run reads epoch 1 in epoch 0's order: does batches_after() give "
+           "each epoch its own shuffle (set_epoch)?")
     yield (res["loaded_equal"], "the loaded model + AdamW state = the saved one (sha256)",
            "the loaded model + AdamW state differ from the saved one")
     yield (res["resumed"]["steps"] == list(range(6, 9)), "the resume trains steps 6..8",
