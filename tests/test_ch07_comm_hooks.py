@@ -17,4 +17,5 @@ def test_unknown_hook_is_one_line(monkeypatch, capsys):
 def test_bad_sum_ranks_is_one_line(monkeypatch, capsys):
     status, _, err = run_in_process(monkeypatch, capsys, SCRIPT, "--sum-ranks", "1,8")
     assert status == 2
-    assert "--sum-ranks must list ranks between 2 and 1024, got '1,8'" in err.strip().splitlines()[-1]
+    assert ("--sum-ranks must list ranks between 2 and 1024, got '1,8'"
+            in err.strip().splitlines()[-1])

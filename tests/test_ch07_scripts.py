@@ -21,7 +21,8 @@ from distkit.course import notebook
 
 SCRIPT = "ch07_debugging/buggy_train.py"
 TIMEOUT = 5     # the process-group timeout the notebook uses
-LIMIT = 120     # seconds a failing launch may take (the notebook's LIMIT): ~15 s idle, a hang never ends
+LIMIT = 120     # seconds a failing launch may take (the notebook's LIMIT): ~15 s idle; a hang
+                # would never end
 
 
 def yama_ptrace_scope() -> int:
@@ -39,7 +40,8 @@ def test_bad_input(monkeypatch, capsys):
 @pytest.fixture(scope="module")
 def failures(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("failures")
-    runs = {"detail-save": ({"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "LOG_DIR": str(tmp / "detail-logs"),
+    runs = {"detail-save": ({"TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+                             "LOG_DIR": str(tmp / "detail-logs"),
                              "TORCHELASTIC_ERROR_FILE": str(tmp / "root_cause.json")}, "save"),
             "gloo-gather": ({"LOG_DIR": str(tmp / "gloo-logs")}, "gather")}
     started = time.monotonic()
@@ -75,7 +77,8 @@ def test_hang_times_out_with_the_stacks_showing_where(failures):
         # which covers Yama's ptrace_scope 1 (Ubuntu's default); only a stricter rule skips.
         if not sys.platform.startswith("linux") or yama_ptrace_scope() >= 2:
             pytest.skip(f"py-spy may not read other processes here: {stacks}")
-        pytest.fail(f"py-spy could not read the ranks (ptrace_scope {yama_ptrace_scope()}): {stacks}")
+        pytest.fail(f"py-spy could not read the ranks (ptrace_scope {yama_ptrace_scope()}): "
+                    f"{stacks}")
     assert sorted(stacks) == [0, 1]
     assert stacks[0][0].startswith("barrier (") and any("save_checkpoint" in f for f in stacks[0])
     assert stacks[1][0].startswith("all_reduce (") and any("average_gradients" in f

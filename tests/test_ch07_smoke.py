@@ -2,7 +2,8 @@
 reports another torch (--pretend) stops every rank at once, naming the rank and the field.
 
 Budget: two launches (~4-5 s each on 2 cores). The failing one must end long before its
-process-group timeout (a hang would last that long), by the script's own clocks. Bad --pretend input runs in this process (argparse stops the script before setup()).
+process-group timeout (a hang would last that long), by the script's own clocks. Bad --pretend
+input runs in this process (argparse stops the script before setup()).
 """
 import json
 import socket

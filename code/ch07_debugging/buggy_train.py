@@ -2,7 +2,8 @@
 
     code/run_w_torchrun.sh 2 ch07_debugging/buggy_train.py              # no bug: it trains
     code/run_w_torchrun.sh 2 ch07_debugging/buggy_train.py --bug save   # hangs until the timeout
-    TORCH_DISTRIBUTED_DEBUG=DETAIL code/run_w_torchrun.sh 2 ch07_debugging/buggy_train.py --bug gather
+    TORCH_DISTRIBUTED_DEBUG=DETAIL \
+        code/run_w_torchrun.sh 2 ch07_debugging/buggy_train.py --bug gather
     code/run_w_torchrun.sh 2 ch07_debugging/buggy_train.py --bug crash
     code/run_w_torchrun.sh 2 ch07_debugging/buggy_train.py --bug crash --check-labels
 

@@ -42,7 +42,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import time
 from contextlib import nullcontext
 
@@ -259,7 +258,8 @@ exact, real = torch.stack(ours).double().mean(0), {}
 for name, dt in DTYPES.items():
     t = mine.to(env.device).to(dt, copy=True).div_(env.world_size)
     dist.all_reduce(t)
-    real[name] = {"error": rel_error(t.cpu(), exact), "replay": rel_error(ring_sum(ours, dt), exact),
+    real[name] = {"error": rel_error(t.cpu(), exact),
+                  "replay": rel_error(ring_sum(ours, dt), exact),
                   "equal_to_replay": torch.equal(t.cpu(), ring_sum(ours, dt))}
 
 # --- exposed communication: the same step with and without the all-reduce ---------------------
@@ -327,7 +327,7 @@ for name in DTYPES:
            f"{all(b > a for a, b in zip(errs, errs[1:]))}; the inputs' rounding alone does not "
            f"grow: {max(casts) <= casts[0]}")
 if env.world_size == 2:  # one addition: any order gives the same bits
-    print0(f"  the real all-reduce at N = 2 equals the replay, bit for bit: "
+    print0("  the real all-reduce at N = 2 equals the replay, bit for bit: "
            + ", ".join(f"{name} {r['equal_to_replay']}" for name, r in real.items()))
 else:  # the backend may add in another order: the same error, not the same bits
     print0(f"  the real all-reduce's error at N = {env.world_size} within 10% of the replay's: "

@@ -1,4 +1,5 @@
-"""Out of memory on purpose: training steps under a memory cap fail like a real OOM, and chapter 03's calculator picks what to change.
+"""Out of memory on purpose: training steps under a memory cap fail like a real OOM, and
+chapter 03's calculator picks what to change.
 
     PYTHONPATH=code python code/ch07_debugging/oom.py
     PYTHONPATH=code python code/ch07_debugging/oom.py --budget-mib 40 --json build/ch07/oom.json
