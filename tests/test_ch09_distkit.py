@@ -56,6 +56,7 @@ def test_byte_formulas():
     # ring: a block = K and V of one rank, 2 x B x H_kv x S/N x D values
     assert cp.ring_bytes(2, 2, 2, 64, 16, 8) == {"forward bytes": 32_768, "backward bytes": 98_304}
     assert cp.ring_bytes(4, 1, 8, 4096, 128, 2)["forward bytes"] == 3 * 2 * 8 * 1024 * 128 * 2
+    assert cp.ring_bytes(1, 2, 2, 64, 16, 8) == {"forward bytes": 0, "backward bytes": 0}
     # Ulysses: (2 H + 2 H_kv) x B x S/N x D values, (N-1)/N of them sent, forward and backward
     assert cp.ulysses_bytes(2, 2, 4, 2, 64, 16, 8) == {"forward bytes": 49_152,
                                                        "backward bytes": 49_152}

@@ -260,9 +260,9 @@ def ring_bytes(n: int, batch: int, kv_heads: int, tokens: int, head_dim: int,
                elem: int) -> dict:
     """Bytes each rank sends in one ring attention, for a sequence of `tokens` over n ranks:
     a K/V block is 2 x batch x kv_heads x tokens/n x head_dim values; the forward sends it n-1
-    times, the backward sends it n-1 times and its gradients n times."""
+    times, the backward sends it n-1 times and its gradients n times (none on one rank)."""
     block = 2 * batch * kv_heads * tokens // n * head_dim * elem
-    return {"forward bytes": (n - 1) * block, "backward bytes": (2 * n - 1) * block}
+    return {"forward bytes": (n - 1) * block, "backward bytes": (2 * n - 1) * block * (n > 1)}
 
 
 # --- Ulysses -----------------------------------------------------------------------------------
