@@ -23,12 +23,13 @@ import matplotlib.pyplot as plt
 
 from distkit.course.diagrams import (ch00_collectives, ch01_ddp, ch02_pipeline, ch02_tensor,
                                      ch03_zero, ch04_fsdp2, ch05_checkpoint, ch06_capstone,
-                                     ch07_debugging, ch08_plan, ch10_float8_3d)
+                                     ch07_debugging, ch08_plan, ch09_cp_ep, ch10_float8_3d)
 
 IMAGES = Path(__file__).resolve().parents[4] / "images"
 DPI = 110
 CHAPTER_MODULES = (ch00_collectives, ch01_ddp, ch02_pipeline, ch02_tensor, ch03_zero, ch04_fsdp2,
-                   ch05_checkpoint, ch06_capstone, ch07_debugging, ch08_plan, ch10_float8_3d)
+                   ch05_checkpoint, ch06_capstone, ch07_debugging, ch08_plan, ch09_cp_ep,
+                   ch10_float8_3d)
 DIAGRAMS = {draw.__name__: draw for module in CHAPTER_MODULES for draw in module.DIAGRAMS}
 # "ch02" -> the names of chapter 02's diagrams (from the module names: chNN_topic)
 CHAPTERS: dict[str, list[str]] = {}
