@@ -1,12 +1,13 @@
 # Two commands on a fresh machine: `make course` (run every notebook) and `make test`.
 PYTHON ?= python3
-VENV   := .venv
+# COURSE_VENV: an environment made elsewhere (the container's, .devcontainer/Dockerfile).
+VENV   := $(or $(COURSE_VENV),.venv)
 BIN    := $(VENV)/bin
 # Nothing is downloaded at run time: models come from configs, data is generated.
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONPATH := $(CURDIR)/code
-export PATH := $(CURDIR)/$(BIN):$(PATH)
+export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: setup check check-python course exercise exercises test test-nproc stress lab images site clean \
         lint record
@@ -27,12 +28,20 @@ endef
 check-python:
 	@$(check_python)
 
+# Which torch: TORCH_INDEX=auto (the default) takes the CPU build from PyTorch's CPU wheel index
+# on Linux without an NVIDIA GPU (PyPI's Linux torch is the CUDA build: GBs), and pip's usual
+# sources elsewhere, or where that index cannot be reached (tried for 5 s); cpu: that index on
+# any machine; pypi: pip's usual sources only; a URL: that index. See
+# code/distkit/course/torch_wheels.py. To change it after set-up: rm -r .venv; make setup ...
+TORCH_INDEX ?= auto
+
 # Rebuilt whenever the pins change. pip takes its settings from the environment too (e.g.
-# PIP_EXTRA_INDEX_URL: CI adds PyTorch's CPU wheel index, as torch from PyPI is a CUDA build).
+# PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS for a local wheel folder).
 $(VENV)/.installed: requirements.txt
 	@test -x $(BIN)/python || { $(check_python); }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	torch=$$($(BIN)/python -m distkit.course.torch_wheels $(TORCH_INDEX)) && \
+	  $(BIN)/python -m pip install --quiet --disable-pip-version-check $$torch -r requirements.txt
 	touch $@
 
 # A pre-flight for a participant's machine (a workshop's laptops): one PASS/WARN/FAIL line per
@@ -91,14 +100,29 @@ stress: setup
 ALLOW_ROOT = $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # It serves the repository root, so the notebooks' ../images/*.png lie inside what it serves (from
-# notebooks/, every image was a 404), and opens at notebooks/. tests/test_lab.py starts this same
-# server: it reads the command with `make -s print-LAB_COMMAND`.
-LAB_COMMAND = $(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir . \
-              --LabApp.default_url=/lab/tree/notebooks $(ALLOW_ROOT)
+# notebooks/, every image was a 404), and opens at workspace/ once `make workspace` made it, else
+# at notebooks/. tests/test_lab.py starts this same server: it reads the command with
+# `make -s print-LAB_COMMAND`.
+# In a container, LAB_IP=0.0.0.0 (.devcontainer/Dockerfile sets it) lets a published port reach it.
+LAB_DIR ?= $(if $(wildcard workspace/*.ipynb),workspace,notebooks)
+LAB_IP ?= 127.0.0.1
+LAB_COMMAND = $(BIN)/jupyter lab --ip $(LAB_IP) --notebook-dir . \
+              --LabApp.default_url=/lab/tree/$(LAB_DIR) $(ALLOW_ROOT)
 
 lab: setup
 	@[ -z "$(ALLOW_ROOT)" ] || echo "make lab: running as root (as in containers): adding --allow-root" >&2
 	$(LAB_COMMAND)
+
+# Your own copies of the notebooks, in workspace/ (git ignores it): run and edit them there and
+# the clone stays as it came, so `git pull` brings the course's fixes. A copy you have is never
+# replaced (delete it to get the course's current version); `make lab` then opens workspace/.
+.PHONY: workspace
+workspace:
+	@mkdir -p workspace
+	@for nb in notebooks/*.ipynb; do name=$${nb#notebooks/}; \
+	  if [ -e "workspace/$$name" ]; then echo "make workspace: kept your workspace/$$name"; \
+	  else cp "$$nb" "workspace/$$name" && echo "make workspace: copied $$nb"; fi; \
+	done
 
 print-%:  # the value of a variable: make -s print-LAB_COMMAND
 	@echo '$($*)'

@@ -140,8 +140,10 @@ def test_lab_serves_every_image_the_notebooks_show(lab):
     port, token = lab
     refs = notebook_images()
     assert refs, "no notebook references an image"
-    status, headers, _ = get(port, "/", token)  # what a browser opens: notebooks/
-    assert (status, urlsplit(headers["Location"]).path) == (302, "/lab/tree/notebooks"), \
+    # What a browser opens: notebooks/, or workspace/ once `make workspace` made it.
+    opens = "/lab/tree/" + ("workspace" if list(ROOT.glob("workspace/*.ipynb")) else "notebooks")
+    status, headers, _ = get(port, "/", token)
+    assert (status, urlsplit(headers["Location"]).path) == (302, opens), \
         (status, headers["Location"])
     for notebook, ref in refs:
         path = posixpath.normpath(posixpath.join("notebooks", ref))  # as JupyterLab resolves it
@@ -352,3 +354,35 @@ def test_jupyterlab_opens_and_saves_every_notebook_unchanged(lab, kernel, copies
     assert not modified and not rewritten, (
         f"JupyterLab marks these modified on open: {modified}; saving rewrites {rewritten}; "
         "store its metadata with python -m distkit.course.record --metadata notebooks/*.ipynb")
+
+
+def make_in(folder, *args) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    return subprocess.run(["make", "--no-print-directory", *args], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_make_workspace_copies_the_notebooks_and_keeps_a_learners_copies(tmp_path):
+    """A participant's own copies, in a folder git ignores: the clone stays as it came. A copy
+    they have (edited, run) is never replaced; `make lab` then opens workspace/."""
+    shutil.copyfile(ROOT / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "notebooks").mkdir()
+    for name in ("00_a.ipynb", "01_b.ipynb"):
+        (tmp_path / "notebooks" / name).write_text(f"{name}\n")
+    assert "default_url=/lab/tree/notebooks" in make_in(tmp_path, "-s", "print-LAB_COMMAND").stdout
+    proc = make_in(tmp_path, "workspace")
+    assert proc.returncode == 0 and proc.stdout.splitlines() == [
+        "make workspace: copied notebooks/00_a.ipynb",
+        "make workspace: copied notebooks/01_b.ipynb"]
+    (tmp_path / "workspace" / "00_a.ipynb").write_text("my work\n")
+    (tmp_path / "workspace" / "01_b.ipynb").unlink()  # deleted: the course's version comes back
+    proc = make_in(tmp_path, "workspace")
+    assert proc.stdout.splitlines() == ["make workspace: kept your workspace/00_a.ipynb",
+                                        "make workspace: copied notebooks/01_b.ipynb"]
+    assert (tmp_path / "workspace" / "00_a.ipynb").read_text() == "my work\n"
+    assert (tmp_path / "workspace" / "01_b.ipynb").read_text() == "01_b.ipynb\n"
+    assert "default_url=/lab/tree/workspace" in make_in(tmp_path, "-s", "print-LAB_COMMAND").stdout
+    # git ignores the copies (and a notebook that is run there changes nothing git tracks).
+    ignored = subprocess.run(["git", "check-ignore", "-q", "workspace/00_torchrun.ipynb"],
+                             cwd=ROOT, timeout=30)
+    assert ignored.returncode == 0, "workspace/ is not in .gitignore"

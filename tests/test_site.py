@@ -53,9 +53,16 @@ class Page(HTMLParser):
             self.text.append(data)
 
 
+metas: dict = {}  # notebook name -> distkit.course.chapters.Chapter, filled by `built`
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("site") / "site"
+    # What distkit.course.chapters reads from each notebook, just before the build (the tests
+    # compare the pages with it; read later, a notebook being edited meanwhile would differ).
+    metas.update({p.name: chapter_meta.read(p)
+                  for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))})
     t0, c0 = time.perf_counter(), time.process_time()
     result = site.build(out)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -199,14 +206,14 @@ def test_home_page_is_a_learners_start_page_from_the_notebooks(built):
     # distkit.course.chapters reads them from the notebook's first cell.
     rows = re.findall(r"<tr><td>(\d\d)</td><td><a href=\"([^\"]+)\">.*?</td>\s*<td>(.*?)</td>"
                       r"<td>(\d+)&nbsp;min</td></tr>", home, re.S)
-    metas = [chapter_meta.read(ROOT / c.path) for c in result.chapters]
+    chapters = [metas[Path(c.path).name] for c in result.chapters]
     assert [(n, h, int(m)) for n, h, _, m in rows] == [
-        (c.number, site.site_path(str(c.path.relative_to(ROOT))), c.minutes) for c in metas]
-    for (_, _, promise, _), meta in zip(rows, metas):
+        (c.number, site.site_path(str(c.path.relative_to(ROOT))), c.minutes) for c in chapters]
+    for (_, _, promise, _), meta in zip(rows, chapters):
         words = re.sub(r"<[^>]+>", "", html.unescape(promise)).split()
         assert bool(words) == bool(meta.promise) and words[:3] == re.sub(
             r"[`*]", "", meta.promise).split()[:3], (promise, meta.promise)
-    assert f"About {sum(c.minutes for c in metas)} minutes of reading" in text
+    assert f"About {sum(c.minutes for c in chapters)} minutes of reading" in text
     # Not the maintainers' page: no test-suite timings.
     for noise in ("CPU-s", "make stress", "nbval", "passed"):
         assert noise not in text, f"the home page mentions {noise!r}"
@@ -261,7 +268,7 @@ def test_chapter_pages_open_with_their_first_cell_diagram_and_pager(built):
         name = site.site_path(chapter.path)
         text = (out / name).read_text(encoding="utf-8")
         head, body = text.split('<section class="chapter-head">', 1)[1].split("</section>", 1)
-        meta = chapter_meta.read(ROOT / chapter.path)
+        meta = metas[Path(chapter.path).name]
         assert f"about {meta.minutes} minutes" in head, name
         assert ('class="promise"' in head) == bool(meta.promise), name
         assert len(re.findall(r"<li>", head)) == len(meta.outcomes), name

@@ -1,13 +1,16 @@
 """`make check`: is this machine ready for the course? A pre-flight for a workshop's laptops.
 
-    python -m distkit.course.check      # (make check) one line per check, exit status 1 if any FAILs
+    python -m distkit.course.check    # (make check) one line per check; exit status 1 on a FAIL
 
 Each line is PASS, WARN (the course runs, with a caveat) or FAIL (it will not), with the fix.
-It checks: the Python version; that the pinned packages import, at the versions in
-requirements.txt; that torchrun starts 2 processes (through code/run_w_torchrun.sh, as every
-notebook does) whose all-reduce over gloo returns the right sum; that a local port can be
-bound; cores and memory; free disk for build/; that py-spy may read another process (chapter
-07's stack dumps; a WARN); that the temp directory is writable. Under a minute after `make setup`.
+It checks: the Python version; that the main packages import, and every package pinned in
+requirements.txt is installed at its version; that the notebooks' Jupyter kernel starts, runs a
+cell that imports torch, and is this environment's Python (a `python3` kernelspec from another
+environment is the classic "ModuleNotFoundError in the notebook, but make check passed"); that
+torchrun starts 2 processes (through code/run_w_torchrun.sh, as every notebook does) whose
+all-reduce over gloo returns the right sum; that a local port can be bound; cores and memory;
+free disk for build/; that py-spy may read another process (chapter 07's stack dumps; a WARN);
+that the temp directory is writable. Under a minute after `make setup`.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ NEED_CORES = 2  # every launch runs 2 processes; fewer cores time-share them
 NEED_RAM_GIB = 4
 NEED_DISK_GIB = 1  # build/: executed notebooks, launch logs, the chapters' checkpoints
 TORCHRUN_LIMIT_S = 120  # generous (a loaded machine is slow), but a hang must not hang the check
+KERNEL_LIMIT_S = 120  # the same for the Jupyter kernel (about 2 s to start and import torch)
 SETUP = "run `make setup` (it installs requirements.txt into .venv) and use .venv/bin/python"
 
 
@@ -80,6 +84,85 @@ def check_package(module: str, dist: str, pinned: dict[str, str]) -> Result:
     return Result("FAIL", module, f"{version} imports, but requirements.txt pins {want}", SETUP)
 
 
+def check_pins(pinned: dict[str, str] | None = None) -> Result:
+    """Every `name==version` of requirements.txt installed at that version (a local label such
+    as torch's +cpu is the same release)."""
+    pinned = pins() if pinned is None else pinned
+    wrong = []
+    for dist, want in sorted(pinned.items()):
+        try:
+            have = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            have = "not installed"
+        if have.split("+")[0] != want:
+            wrong.append(f"{dist} {have} (pinned {want})")
+    if not wrong:
+        return Result("PASS", "pins", f"all {len(pinned)} packages of requirements.txt at their "
+                                      "pinned versions")
+    return Result("FAIL", "pins", f"{len(wrong)} of {len(pinned)} differ: "
+                                  + "; ".join(wrong[:5]) + ("; ..." if len(wrong) > 5 else ""),
+                  SETUP)
+
+
+KERNEL_CELL = "import sys, torch; print(sys.prefix); print(torch.__version__)"
+
+
+def check_kernel(kernel_name: str = "python3", code: str = KERNEL_CELL,
+                 prefix: str = sys.prefix, limit: float = KERNEL_LIMIT_S) -> Result:
+    """Start the notebooks' kernel as JupyterLab does (its kernelspec, found on Jupyter's
+    paths), run one cell, and check the kernel is this environment's Python."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+    from jupyter_client.manager import KernelManager
+    try:
+        spec_dir = KernelSpecManager().get_kernel_spec(kernel_name).resource_dir
+    except NoSuchKernel:
+        return Result("FAIL", "kernel", f"no Jupyter kernel named {kernel_name}",
+                      f"`{sys.executable} -m ipykernel install --sys-prefix`")
+    ours = os.path.realpath(spec_dir).startswith(os.path.realpath(prefix) + os.sep)
+    fix = ("run `make setup` again (it reinstalls the pins)" if ours else
+           f"{spec_dir} is another environment's kernel, found before the course's: remove it "
+           "(or set JUPYTER_PREFER_ENV_PATH=1)")
+    start = time.monotonic()
+    km = KernelManager(kernel_name=kernel_name)
+    kc = None
+    try:
+        km.start_kernel(stderr=subprocess.DEVNULL)  # its start-up chatter is not ours to show
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=limit)
+        out, errors = [], []
+
+        def on_output(msg):
+            content = msg["content"]
+            if msg["msg_type"] == "stream":
+                out.append(content["text"])
+            elif msg["msg_type"] == "error":
+                errors.append(f"{content['ename']}: {content['evalue']}")
+
+        left = max(1.0, limit - (time.monotonic() - start))
+        kc.execute_interactive(code, timeout=left, output_hook=on_output, store_history=False)
+    except Exception as e:  # did not start, died, timed out (jupyter_client raises several types)
+        return Result("FAIL", "kernel", f"the {kernel_name} kernel ({spec_dir}) did not run a cell "
+                                        f"in {limit:.0f} s: {type(e).__name__}: {e}".strip(),
+                      fix)
+    finally:
+        if kc is not None:
+            kc.stop_channels()
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
+    took = time.monotonic() - start
+    lines = "".join(out).split()
+    if errors:
+        return Result("FAIL", "kernel", f"the {kernel_name} kernel ({spec_dir}) started, but its "
+                                        f"cell failed: {errors[0]}", fix)
+    if not lines or os.path.realpath(lines[0]) != os.path.realpath(prefix):
+        return Result("FAIL", "kernel", f"the {kernel_name} kernel ({spec_dir}) runs the Python "
+                                        f"of {lines[0] if lines else 'an unknown prefix'}, not "
+                                        f"{prefix}", fix)
+    return Result("PASS", "kernel", f"{kernel_name} started and ran a cell: torch {lines[1]}, "
+                                    f"this environment's Python ({took:.0f} s)")
+
+
 RANK_SCRIPT = """\
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -104,7 +187,8 @@ def check_torchrun(nproc: int = 2, limit: float = TORCHRUN_LIMIT_S,
         try:
             out = proc.communicate(timeout=limit)[0]
         except subprocess.TimeoutExpired:
-            from distkit.course.notebook import stop_launch  # the ranks run in sessions of their own
+            # the ranks run in sessions of their own
+            from distkit.course.notebook import stop_launch
             stop_launch(proc, grace=10, drain=True)
             return Result("FAIL", "torchrun", f"{nproc} processes did not finish in {limit} s",
                           "run `code/run_w_torchrun.sh 2 ch00_collectives/hello_torchrun.py` "
@@ -216,6 +300,8 @@ def checks():
     pinned = pins()
     for module, dist in PACKAGES.items():
         yield check_package(module, dist, pinned)
+    yield check_pins(pinned)
+    yield check_kernel()
     yield check_torchrun()
     yield check_port()
     yield check_cores()
