@@ -44,6 +44,11 @@ if args.steps < 1 or not 1 <= args.batch_size <= 256:
     parser.error("need --steps >= 1 and 1 <= --batch-size <= 256")
 
 device = pick_device()[0]
+fp8_cores = device.type == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
+if args.kernel == "torch" and device.type == "cuda" and not fp8_cores:
+    print("--kernel torch: torch._scaled_mm needs fp8 tensor cores (CUDA compute capability "
+          "8.9+); this GPU has none: the float8 runs use the emulation")
+    args.kernel = "emulated"
 (tokens,) = counting_data(256)[:]
 batches = tokens.to(device).split(args.batch_size)
 batches = [b for b in batches if len(b) == args.batch_size]  # the same full batches, in order
@@ -72,7 +77,6 @@ for mode in modes:
 
 bench = {}
 if args.bench:
-    fp8_cores = device.type == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
     if not fp8_cores:
         print(f"--bench: {device.type} has no fp8 tensor cores (CUDA compute capability 8.9+); "
               "not timed")

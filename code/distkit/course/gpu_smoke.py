@@ -134,6 +134,16 @@ RUNS = [
         expect="every check passed: True"),
     Run("ch09 transformers EP", 2, "ch09_long_context_moe/hf_ep.py",
         expect="every check passed: True", fit=False),
+    # chapter 10: float8 training with torch._scaled_mm on the fp8 tensor cores (compute
+    # capability 8.9+; older GPUs fall back to the emulation and say so), and an 8192^3 matmul
+    # timed in bf16 and in float8; every schedule on 2 GPUs; the 3-D mesh on 8
+    Run("ch10 float8 training + fp8 matmul speed", 1, "ch10_float8_3d/float8_train.py",
+        ("--kernel", "torch", "--steps", "10", "--bench", "8192", "--json", "{out}/f8.json"),
+        expect="f8.json", torchrun=False),
+    Run("ch10 pipeline schedules", 2, "ch10_float8_3d/schedules.py", ("--json", "{out}/s.json"),
+        expect="s.json", fit=False),  # a pipeline needs 2 ranks
+    Run("ch10 3-D mesh (PP x FSDP x TP)", 8, "ch10_float8_3d/mesh3d.py",
+        ("--json", "{out}/m.json"), expect="m.json", fit=False),
 ]
 
 
