@@ -555,3 +555,188 @@ def check_overlap_solution(ov: dict, loss_tol: float) -> None:
     assert all(b >= ov["bucket_mb"] * 2**20 for b in buckets[:-1])  # closed once at the cap
     print(f"exercise 01.2's solution, {', '.join(modes)}: each = one process, every gradient byte "
           "all-reduced once per step, its calls counted and ordered as the answers say: True")
+
+
+# --- Chapter 02's checks and tables -------------------------------------------------------------
+
+def bubble_breakdown(sweep: list, mb_size: int, stages: int) -> None:
+    """pipeline_bench.py's runs (one split): each setting's idle fraction against the formula
+    (p-1)/(m+p-1), split per stage by distkit.pipe.idle_breakdown into waiting on compute and on
+    transfer; then, from the 1F1B run at the largest m, the hand-offs' cost c per micro-batch
+    slot (the step beyond (m+p-1) x compute per micro-batch) and the m that minimises a fixed
+    batch's step (m+p-1)(T/m + c). Timings: for an ignored cell."""
+    import numpy as np
+    from distkit.pipe import idle_breakdown
+    print(f"{'schedule':8s} {'m':>2s} {'theory':>7s} {'measured':>9s} {'ratio':>6s}   "
+          "per stage: idle = waiting on compute + waiting on transfer")
+    for r in sweep:
+        parts = idle_breakdown(r["spans"])
+        print(f"{r['schedule']:8s} {r['m']:2d} {r['theory']:7.3f} {r['idle_mean']:9.3f} "
+              f"{r['idle_mean'] / r['theory']:6.2f}   " + "   ".join(
+                  f"{i:.2f} = {p['wait_compute']:.2f} + {p['wait_transfer']:.2f}"
+                  for i, p in zip(r["idle"], parts)))
+    top = max((r for r in sweep if r["schedule"] == "1f1b"), key=lambda r: r["m"])
+    t_mb = np.mean([sum(s[3] - s[2] for s in st if s[0] in "FBL") / top["m"]
+                    for st in top["spans"]])
+    c_mb = top["step_s"] / (top["m"] + stages - 1) - t_mb
+    batch = top["m"] * mb_size
+    print(f"\n1f1b m={top['m']}: compute {t_mb * 1e3:.0f} ms per micro-batch per stage, "
+          f"hand-off cost c = {c_mb * 1e3:.1f} ms per micro-batch slot")
+    if c_mb > 0:  # T: one stage's compute for the whole batch, if compute scales with batch size
+        print(f"a fixed batch of {batch} sequences: (m+p-1)(T/m + c) is smallest at m* = "
+              f"{np.sqrt((stages - 1) * top['m'] * t_mb / c_mb):.1f} on this machine")
+
+
+def unbalanced_report(base: dict, skew: dict, m: int, even: list, unbalanced: list,
+                      clock: str) -> None:
+    """pipeline_bench.py's 1F1B run at m micro-batches on the even split (`base`) and on the
+    unbalanced one (`skew`): step times, idle per stage, the slowdown beside the band the layer
+    counts give two ideal steps (no hand-offs), and each step against m T_max + fill/drain with
+    the stages' measured compute. Timings: for an ignored cell."""
+    stages = len(even)
+    # Per micro-batch a stage's time T is proportional to its layers. Even split: (m+p-1) T_mean.
+    # Unbalanced: the long stage works all the time (m T_max), plus at most the short stages'
+    # fill and drain (their sum of T).
+    t_mean, t_max = sum(even) / stages, max(unbalanced)
+    low = m * t_max / ((m + stages - 1) * t_mean)
+    high = (m * t_max + sum(unbalanced) - t_max) / ((m + stages - 1) * t_mean)
+    print(f"1F1B, m={m}, {clock}: split {'+'.join(map(str, even))}: {base['step_s'] * 1e3:.0f} ms,"
+          f" idle per stage " + ", ".join(f"{x:.0%}" for x in base["idle"]))
+    print(f"                 split {'+'.join(map(str, unbalanced))}: {skew['step_s'] * 1e3:.0f} "
+          f"ms, idle per stage " + ", ".join(f"{x:.0%}" for x in skew["idle"]))
+    print(f"slowdown {skew['step_s'] / base['step_s']:.2f}x; the layer counts alone, for ideal "
+          f"steps without hand-offs: {low:.2f}x to {high:.2f}x")
+    for name, run in (("even", base), ("unbalanced", skew)):
+        # each stage's measured compute (its F and B spans) per micro-batch, s
+        t = [sum(s[3] - s[2] for s in stage if s[0] in "FB") / run["m"] for stage in run["spans"]]
+        model_s = m * max(t) + sum(t) - max(t)
+        print(f"{name:10s}: compute per micro-batch " + ", ".join(f"{x * 1e3:.0f}" for x in t)
+              + f" ms; m T_max + fill/drain = {model_s * 1e3:.0f} ms, measured "
+              f"{run['step_s'] * 1e3:.0f} ms: {run['step_s'] / model_s - 1:+.0%} for the hand-offs")
+
+
+def check_tp_plans(tp: dict) -> None:
+    """tensor_parallel.py's JSON: every plan equals the unsharded model, and its collectives per
+    step are the counts the text derives: Megatron's 2 all-reduces per layer each way, the naive
+    plan's 5 per layer in the backward, sequence parallelism's all-gathers and reduce-scatters,
+    the vocabulary plan's few small all-reduces of the loss instead of gathering the logits."""
+    act, want = tp["activation_bytes"], tp["megatron_count"]
+    parity = {name: p["parity"] for name, p in tp["plans"].items()}
+    assert all(parity.values()), parity
+    meg, naive_plan, seq = (tp["plans"][p] for p in ("megatron", "naive", "sequence"))
+    L = tp["layers"]
+    assert meg["forward"] == meg["backward"] == {"all_reduce": want}
+    assert meg["forward_bytes"] == meg["backward_bytes"] == want * act
+    # naive: q, k, v, gate and up each all-reduce their own input gradient (5 per layer
+    # backward); sequence: all-gather + reduce-scatter for each all-reduce, one more all-gather
+    # at the edges, and the norms' weight gradients (2 per layer and the final norm) all-reduced
+    assert naive_plan["forward"] == {"all_reduce": 2 * L}
+    assert naive_plan["backward"] == {"all_reduce": 5 * L}
+    assert seq["forward"] == {"all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L}
+    assert seq["backward"] == {**seq["forward"], "all_reduce": 2 * L + 1}
+    # vocab: megatron's, plus the embedding's partial lookups (forward) and the head's input
+    # gradient (backward), one all-reduce each; and loss_parallel's small ones (forward)
+    vocab = tp["plans"]["vocab"]
+    loss_reduces = vocab["forward"]["all_reduce"] - (2 * L + 1)
+    assert vocab["backward"] == {"all_reduce": 2 * L + 1} and loss_reduces >= 1
+    assert vocab["forward_bytes"] - (2 * L + 1) * act < act  # the loss's: far below one activation
+    print(f"{tp['layers']} layers, N={tp['world_size']}: Megatron's count is {want} all-reduces "
+          f"of {act:,} B each way; parity with the unsharded model in every plan: "
+          f"{all(parity.values())}")
+    print(f"naive plan backward: {naive_plan['backward']['all_reduce']} all-reduces "
+          f"= {naive_plan['backward']['all_reduce'] // tp['layers']} per layer")
+    logits_bytes = tp["batch"] * tp["seq"] * tp["vocab"] * 4
+    print(f"vocab plan: {loss_reduces} all-reduces of the loss, "
+          f"{vocab['forward_bytes'] - (2 * L + 1) * act:,} B in all, instead of gathering the "
+          f"[{tp['batch']}, {tp['seq']}, {tp['vocab']}] logits ({logits_bytes:,} B)")
+
+
+# --- Chapter 03's tables ------------------------------------------------------------------------
+
+def peak_table(sweep: dict, sweep_ck: dict, live: dict) -> None:
+    """Rank 0's peak by category for 8B on 8 and 64 ranks and 70B on 64, without and with
+    activation checkpointing (simulate_fsdp.py's stored sweeps); a point simulated live in this
+    run (`live`) must equal its stored row, to the byte. Then the 8B root module's and one
+    layer's fp32 bytes, the logits of one 2048-token sequence, and the CUDA-only AdamW temporary
+    for 70B on 64 ranks."""
+    from distkit.memory import GB, GiB, LLAMA_CONFIGS, from_config
+    gib = lambda x: f"{x / GiB:6.1f}"
+    live_keys = {(r["model"], r["ranks"]) for r in live["results"]}
+    print(f"{'peak on rank 0, GiB':27s}" + "".join(f"{k:>9s}" for k in
+          ("states", "unshard", "activ.", "temp", "buffers", "total")) + "  figures")
+    for label, s in (("", sweep), (" + ckpt", sweep_ck)):
+        for key in (("8b", 8), ("8b", 64), ("70b", 64)):
+            r = next(r for r in s["results"] if (r["model"], r["ranks"]) == key)
+            p = r["peak"]
+            states = p["Sharded Param"] + p["Sharded Grad"] + p["OptState"]
+            comm = p["All Gather"] + p["Reduce Scatter"]
+            source = "live" if key in live_keys and not label else "stored"
+            if source == "live":  # simulated in this run: the stored row must be what it found
+                assert next(x for x in live["results"]
+                            if (x["model"], x["ranks"]) == key)["peak"] == p
+            print(f"{key[0] + ' on ' + str(key[1]) + label:27s}" + "".join(
+                f"{gib(v):>9s}" for v in (states, p["Unsharded Param"], p["Activation"],
+                                          p["Temp"], comm, p["Total"])) + f"  {source}")
+    c8 = LLAMA_CONFIGS["8b"]
+    root = (2 * c8["vocab_size"] + 1) * c8["hidden_size"] * 4
+    layer = (from_config(c8)["num_params"] - root // 4) // c8["num_hidden_layers"] * 4
+    print(f"8B in fp32: root module (embeddings, LM head, final norm) {root / GiB:.1f} GiB, one "
+          f"decoder layer {layer / GiB:.1f} GiB; logits of one 2048-token sequence "
+          f"{2048 * c8['vocab_size'] * 4 / GiB:.2f} GiB")
+    psi70 = from_config(LLAMA_CONFIGS["70b"])["num_params"]
+    print(f"on CUDA, AdamW's foreach step adds a temporary of 4 bytes per sharded parameter: "
+          f"70B on 64 {4 * psi70 / 64 / GB:.1f} GB (not in the simulation)")
+
+
+def llama_calculator(r: dict, recipe=None) -> dict:
+    """distkit.memory.llama_training_bytes for the setting of one simulated step (a row of
+    simulate_fsdp.py's JSON): its model, ranks (a ranks/tp x tp mesh: FSDP over the first
+    dimension), sequence, batch, precision, attention and checkpointing."""
+    from distkit.memory import FP32_ADAMW, LLAMA_CONFIGS, llama_training_bytes
+    tp = r.get("tp") or 1
+    return llama_training_bytes(
+        LLAMA_CONFIGS[r["model"]], ranks=r["ranks"] // tp, seq=r["seq"], batch=r["batch"],
+        precision=r.get("precision", "fp32"), attn=r.get("attn", "sdpa"),
+        ac=r.get("ac") or ("full" if r["checkpoint"] else "none"), tensor_parallel=tp,
+        recipe=recipe or FP32_ADAMW)
+
+
+def llama_sketch(r: dict) -> float:
+    """The first sketch for one simulated step: Korthikanti's activations + ZeRO-3 model states
+    (distkit.memory.training_bytes); 16-bit, so only meant for the bf16 points."""
+    from distkit.memory import LLAMA_CONFIGS, TORCH_AMP, from_config, training_bytes
+    m, ac = from_config(LLAMA_CONFIGS[r["model"]]), r.get("ac") or "none"
+    recompute = "selective" if ac == "none" and r.get("attn") == "sdpa" else ac
+    return training_bytes(m["num_params"], world_size=r["ranks"], stage=3, recipe=TORCH_AMP,
+                          layers=m["layers"], seq=r["seq"], micro_batch=r["batch"],
+                          hidden=m["hidden"], heads=m["heads"], recompute=recompute,
+                          tensor_parallel=r.get("tp") or 1)["total"]
+
+
+def check_calculator(points: list) -> None:
+    """The calculator's peak (llama_calculator) within 10 % of every simulated step in `points`
+    ((row, "stored" or "live") pairs); then a table of the 8B and 70B points with its error and,
+    for the bf16 points, the first sketch's."""
+    from distkit.memory import GiB
+    error = lambda r, predicted: round(predicted / r["peak"]["Total"] - 1, 3) + 0  # no -0.0
+    within = all(abs(error(r, llama_calculator(r)["Total"])) < 0.10 for r, _ in points)
+    print("calculator's peak within 10% of every stored and live simulated step:", within)
+    assert within
+    print(f"{'simulated step, seq 2048, batch 1':46s}{'simulated':>10s}{'calculator':>11s}"
+          f"{'error':>7s}{'sketch':>8s}{'error':>7s}  GiB")
+    shown = set()
+    for r, source in points:
+        ac = r.get("ac") or ("full" if r["checkpoint"] else "none")
+        name = (f"{r['model']} on {r['ranks']}, {r.get('precision', 'fp32')}, "
+                f"{r.get('attn', 'sdpa')}, ckpt {ac} ({source})")
+        if r["model"] == "1b" or (r["model"], r["ranks"]) not in (("8b", 8), ("8b", 64),
+                                                                  ("70b", 64)) \
+                or name in shown:  # chapter 08's grid repeats one point of the sweep
+            continue
+        shown.add(name)
+        calc = llama_calculator(r)["Total"]
+        sketch = llama_sketch(r)
+        rough = f"{sketch / GiB:8.1f}{error(r, sketch):+7.0%}" if r.get("precision") == "bf16" \
+            else f"{'-':>8s}{'':7s}"
+        print(f"{name:46s}{r['peak']['Total'] / GiB:10.1f}{calc / GiB:11.1f}{error(r, calc):+7.1%}"
+              f"{rough}")

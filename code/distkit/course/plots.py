@@ -452,3 +452,256 @@ def plot_ddp_memory(mem: dict, batch: int, ax=None):
     ax.legend(fontsize=8)
     ax.figure.tight_layout()
     return ax
+
+
+def plot_tp_bytes(tp: dict, ax=None):
+    """Chapter 02: the bytes each rank sends per step, forward and backward, for each tensor-
+    parallel plan of tensor_parallel.py's JSON (counted with CommDebugMode), beside Megatron's
+    2 all-reduces per layer."""
+    import numpy as np
+    ax = ax or plt.subplots(figsize=(8, 3.4))[1]
+    names = list(tp["plans"])
+    x = np.arange(len(names))
+    for i, way in enumerate(("forward", "backward")):
+        ax.bar(x + (i - 0.5) * 0.38, [tp["plans"][n][f"{way}_ring_bytes"] / 1024 for n in names],
+               0.36, label=way)
+    n = tp["world_size"]
+    ax.axhline(tp["megatron_count"] * tp["activation_bytes"] * 2 * (n - 1) / n / 1024,
+               color="black", ls=":", lw=1, label="Megatron: 2 all-reduces per layer, ring bytes")
+    ax.set_xticks(x, names)
+    ax.set(ylabel="KiB each rank sends per step", title=f"Tensor parallelism on {n} ranks, "
+           f"{tp['layers']} layers: bytes per plan (measured with CommDebugMode)")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_calculator(points: list, ax=None):
+    """Chapter 03: the calculator's peak (and, for the bf16 points, the first sketch's) against
+    each simulated step's (`points`: (row, source) pairs of simulate_fsdp.py's JSON)."""
+    from distkit.course.notebook import llama_calculator, llama_sketch
+    from distkit.memory import GiB
+    ax = ax or plt.subplots(figsize=(6, 5))[1]
+    sim = [r["peak"]["Total"] / GiB for r, _ in points]
+    ax.plot(sim, [llama_calculator(r)["Total"] / GiB for r, _ in points], "o",
+            label="llama_training_bytes")
+    bf = [r for r, _ in points if r.get("precision") == "bf16"]
+    ax.plot([r["peak"]["Total"] / GiB for r in bf], [llama_sketch(r) / GiB for r in bf], "x",
+            label="sketch: ZeRO states + Korthikanti (bf16 points)")
+    ax.plot([1, 300], [1, 300], "k--", lw=0.8, label="equal")
+    ax.set(xscale="log", yscale="log", xlabel="simulated peak per rank (GiB)",
+           ylabel="predicted peak per rank (GiB)",
+           title="Calculator vs FSDPMemTracker on fake ranks (1B, 8B, 70B; 8-64 ranks)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    return ax
+
+
+# --- Chapter 05 -----------------------------------------------------------------------------
+
+def plot_save_bytes(tour: dict, nproc: int, ax=None):
+    """Chapter 05: the bytes each rank wrote, torch.save from rank 0 after gathering everything
+    against dcp.save (dcp_tour.py's JSON)."""
+    ax = ax or plt.subplots(figsize=(7, 3.2))[1]
+    ranks, sizes = range(nproc), tour["dcp"]["files"]
+    old = [tour["old_way"]["file_bytes"] if r == 0 else 0 for r in ranks]
+    new = [sizes.get(f"__{r}_0.distcp", 0) for r in ranks]
+    w = 0.38
+    ax.bar([r - w / 2 for r in ranks], [b / 1e6 for b in old], w,
+           label="torch.save from rank 0 (after gathering it all)")
+    ax.bar([r + w / 2 for r in ranks], [b / 1e6 for b in new], w, label="dcp.save")
+    ax.set_xticks(list(ranks), [f"rank {r}" for r in ranks])
+    ax.set_ylabel("MB written by this rank")
+    ax.set_title("Saving a sharded model: one rank does it all, or each does its part")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return ax
+
+
+def plot_resume(ref_losses: list, killed_losses: list, save_every: int, crash_step: int,
+                ax=None):
+    """Chapter 05: a run killed after `crash_step` and resumed from its last checkpoint, on the
+    curve of the run that never stopped (train_ckpt.py's JSONs)."""
+    ax = ax or plt.subplots(figsize=(8, 3.6))[1]
+    last_save = crash_step // save_every * save_every
+    steps = range(1, len(ref_losses) + 1)
+    ax.plot(steps, ref_losses, linewidth=4, alpha=0.35, label="uninterrupted")
+    ax.plot(steps[:last_save], killed_losses[:last_save], ".-", color="tab:red",
+            label=f"killed run: attempt 0 (restored from step_{last_save:06d})")
+    ax.plot(steps[last_save:], killed_losses[last_save:], "--", color="k",
+            label="killed run: attempt 1")
+    ax.axvspan(last_save + 0.5, crash_step + 0.5, color="tab:red", alpha=0.1,
+               label="computed twice")
+    for s in range(save_every, len(steps) + 1, save_every):
+        ax.axvline(s, color="goldenrod", linewidth=1, alpha=0.7)
+    ax.plot([], [], color="goldenrod", label="checkpoint committed")
+    ax.annotate("SIGKILL", (crash_step, killed_losses[crash_step - 1]), xytext=(10, 25),
+                textcoords="offset points", color="tab:red", arrowprops={"arrowstyle": "->"})
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy loss (nats)")
+    ax.set_title(f"A rank killed after step {crash_step}: the run resumes on the same curve")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ax
+
+
+def plot_reshard_gaps(gaps: dict, from_step: int, nproc: int, ax=None):
+    """Chapter 05: |loss - uninterrupted| after a checkpoint of `nproc` ranks was loaded on
+    other numbers of ranks (`gaps`: ranks -> the gaps of the steps after the resume)."""
+    ax = ax or plt.subplots(figsize=(7, 3.2))[1]
+    for n, g in gaps.items():
+        ax.semilogy(range(from_step + 1, from_step + 1 + len(g)), [max(x, 1e-9) for x in g],
+                    "o-", label=f"loaded on {n} rank(s)")
+    ax.axhline(1e-5, color="k", linestyle=":", label="tolerance 1e-5")
+    ax.set_xlabel("optimizer step after the resume")
+    ax.set_ylabel("|loss - uninterrupted| (nats)")
+    ax.set_title(f"Checkpoint of {nproc} ranks, training continued on other world sizes")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    return ax
+
+
+def plot_async_save(seconds: dict, staged_bytes: int, ax=None) -> dict:
+    """Chapter 05: the time dcp.save and dcp.async_save block the loop, and async_save's upload
+    in the background (dcp_tour.py's "seconds"); returns the medians in milliseconds."""
+    ax = ax or plt.subplots(figsize=(7, 2.6))[1]
+    t = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in seconds.items()}
+    ax.barh(["dcp.save", "dcp.async_save"], [t["save"], t["async_save"]],
+            color=["tab:red", "tab:green"], label="training loop blocked")
+    ax.barh(["dcp.async_save"], [t["upload_done"] - t["async_save"]], left=[t["async_save"]],
+            color="tab:green", alpha=0.3, label="upload in the background")
+    ax.set_xlabel("milliseconds (CPU/gloo, median of the repetitions)")
+    ax.set_title(f"Saving {staged_bytes / 1e6:.0f} MB per rank: time the loop waits")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3, axis="x")
+    return t
+
+
+def plot_checkpoint_waste(cases: dict, waste, best, ax=None):
+    """Chapter 05: the share of training time lost against the checkpoint interval, for each
+    case (name -> delta, the seconds a save blocks): `waste(tau, delta)` is the model, `best(delta)`
+    the interval where it is smallest (Young's), drawn as a dot."""
+    ax = ax or plt.subplots(figsize=(7, 3.2))[1]
+    taus = [60 * 2 ** (k / 4) for k in range(0, 30)]
+    for name, delta in cases.items():
+        ax.semilogx([t / 60 for t in taus], [100 * waste(t, delta) for t in taus], label=name)
+        ax.plot(best(delta) / 60, 100 * waste(best(delta), delta), "ko")
+    ax.set_xlabel("checkpoint interval (minutes)")
+    ax.set_ylabel("training time lost (%)")
+    ax.set_title("Save often enough, not more: Young's interval (dots)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    return ax
+
+
+# --- Chapter 07 -----------------------------------------------------------------------------
+
+def plot_divergence(res: dict):
+    """Chapter 07: the gap between the ranks' weights per step, and each rank's model on the
+    same batch (diverge.py's JSON)."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in res["variants"].items():
+        ax1.plot(r["weight_gap"], marker=".", label=name)
+    ax1.set(xlabel="optimizer step", ylabel="max over weights of |w_rank0 - w_rank1|",
+            title="Gap between the ranks' weights", ylim=(-0.05, None))
+    ax1.legend()
+    for name, color in (("seed-per-rank", "C0"), ("rng-drift", "C1"), ("broadcast", "C2")):
+        for rank, losses in enumerate(res["variants"][name]["eval_loss"]):
+            ax2.plot(losses, color=color, linestyle="-" if rank == 0 else "--",
+                     label=f"{name}, rank {rank}")
+    ax2.set(xlabel="optimizer step", ylabel="cross-entropy on a shared batch (nats)",
+            title="Each rank's model on the same data")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_hogwild(res: dict):
+    """Chapter 07: Hogwild against synchronous SGD per sample, and SGD with gradients tau steps
+    stale at two learning rates (hogwild.py's JSON)."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    for name, run in res["part1"].items():
+        ax1.plot(run["samples"], run["heldout_loss"], marker=".",
+                 label=f"{name}: {run['updates']} updates")
+    ax1.axhline(res["ln_classes"], color="gray", linestyle=":", label="ln 10: a uniform guess")
+    ax1.set(xlabel="training samples processed, all workers",
+            ylabel="held-out cross-entropy (nats)",
+            title=f"Hogwild with {res['workers']} processes vs synchronous SGD, lr {res['lr']}")
+    ax1.legend()
+    runs = res["part2"]["runs"]
+    taus, top = sorted({r["tau"] for r in runs}), max(r["lr"] for r in runs)
+    for r in runs:
+        ax2.plot(r["loss"], color=f"C{taus.index(r['tau'])}",
+                 linestyle="-" if r["lr"] == top else "--",
+                 label=f"lr {r['lr']:g}, tau {r['tau']}")
+    ax2.axhline(res["diverged_above"], color="gray", linestyle=":", label="diverged above")
+    ax2.set_yscale("log")
+    ax2.set(xlabel="SGD step", ylabel="held-out cross-entropy (nats, log scale)",
+            title="Gradients tau steps stale (one process, seeded)")
+    ax2.legend(ncol=2, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_comm_hooks(res: dict):
+    """Chapter 07: the loss and the bytes handed to all-reduce per step for each DDP
+    communication hook (comm_hooks.py's JSON)."""
+    style = {"none": "-", "fp16": "--", "bf16": ":", "powersgd": "-"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for hook, r in res["results"].items():
+        ax1.plot(range(len(r["loss"])), r["loss"], style[hook], label=hook, lw=1.5)
+        ax2.plot(range(1, len(r["bytes_per_step"]) + 1),
+                 [b / 1024 for b in r["bytes_per_step"]], style[hook], marker=".", label=hook)
+    ax1.axvline(res["powersgd_start"], color="grey", lw=0.8)
+    ax1.set(xlabel="training step", ylabel="held-out cross-entropy (nats)",
+            title=f"Loss; PowerSGD (rank {res['rank']}) compresses after step "
+                  f"{res['powersgd_start']}")
+    ax2.set(xlabel="training step", ylabel="KiB handed to all-reduce per step", ylim=(0, None),
+            title="Bytes per step, measured (flight recorder)")
+    ax1.legend()
+    ax2.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_sum_errors(errs: dict, ns: list, ax=None):
+    """Chapter 07: the relative error of the averaged gradient when a 16-bit hook's all-reduce
+    is replayed in ring order, against the number of ranks (comm_hooks.py's "sum_errors")."""
+    ax = ax or plt.subplots(figsize=(7, 3.6))[1]
+    for d, color in (("fp32", "C0"), ("fp16", "C1"), ("bf16", "C2")):
+        ax.plot(ns, [errs[str(n)][d]["sum"] for n in ns], "o-", color=color,
+                label=f"{d}: the ring's sum")
+        if d != "fp32":  # fp32's inputs are exact
+            ax.plot(ns, [errs[str(n)][d]["cast_only"] for n in ns], "x--", color=color,
+                    label=f"{d}: the inputs' rounding only")
+    ax.set(xscale="log", yscale="log", xlabel="ranks N",
+           ylabel="relative error of the averaged gradient",
+           title="The hooks' 16-bit all-reduce, replayed in ring order")
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.figure.tight_layout()
+    return ax
+
+
+def plot_oom(oom: dict, ax=None):
+    """Chapter 07: for each run under the memory cap, the calculator's model states and
+    activations against the peak measured (oom.py's JSON)."""
+    mib, runs = 2**20, oom["runs"]
+    ax = ax or plt.subplots(figsize=(9, 3.6))[1]
+    x = range(len(runs))
+    states = [r["calculator"]["states"] / mib for r in runs]
+    acts = [r["calculator"]["activations"] / mib for r in runs]
+    ax.bar([i - 0.2 for i in x], states, 0.4, label="calculator: model states")
+    ax.bar([i - 0.2 for i in x], acts, 0.4, bottom=states, label="calculator: activations")
+    ax.bar([i + 0.2 for i in x], [r["peak_bytes"] / mib for r in runs], 0.4, color="grey",
+           label="measured: peak under the cap\n(at the failure, if it failed)")
+    ax.axhline(oom["budget_bytes"] / mib, color="red", label="the cap (budget)")
+    ax.axhline(oom["headroom"] * oom["budget_bytes"] / mib, color="red", ls="--",
+               label=f"{oom['headroom']:.0%} of it: 'fits'")
+    ax.set_xticks(list(x), [f"{r['label']}\n" + ("ran" if r["ran"] else f"OOM in {r['phase']}")
+                            for r in runs])
+    ax.set_ylabel("MiB beyond what the\nprocess held before")
+    ax.set_title(f"Calculator vs measured, each run under a {oom['budget_bytes'] / mib:g} MiB "
+                 f"cap ({oom['device']})")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.figure.tight_layout()
+    return ax
