@@ -109,8 +109,14 @@ LAB_IP ?= 127.0.0.1
 LAB_COMMAND = $(BIN)/jupyter lab --ip $(LAB_IP) --notebook-dir . \
               --LabApp.default_url=/lab/tree/$(LAB_DIR) $(ALLOW_ROOT)
 
+# JupyterLab's defaults for this environment (overrides.json): no "get notified about Jupyter
+# news?" toast over the notebook on a room's screens. Written once; an existing file is kept.
+LAB_OVERRIDES = $(VENV)/share/jupyter/lab/settings/overrides.json
+
 lab: setup
 	@[ -z "$(ALLOW_ROOT)" ] || echo "make lab: running as root (as in containers): adding --allow-root" >&2
+	@[ -e $(LAB_OVERRIDES) ] || { mkdir -p $(dir $(LAB_OVERRIDES)) && echo \
+	  '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}}' > $(LAB_OVERRIDES); }
 	$(LAB_COMMAND)
 
 # Your own copies of the notebooks, in workspace/ (git ignores it): run and edit them there and

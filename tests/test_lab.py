@@ -386,3 +386,21 @@ def test_make_workspace_copies_the_notebooks_and_keeps_a_learners_copies(tmp_pat
     ignored = subprocess.run(["git", "check-ignore", "-q", "workspace/00_torchrun.ipynb"],
                              cwd=ROOT, timeout=30)
     assert ignored.returncode == 0, "workspace/ is not in .gitignore"
+
+
+def test_make_lab_turns_off_the_news_question(tmp_path):
+    """JupyterLab's "get notified about Jupyter news?" toast covers the notebook's corner on a
+    projector: make lab sets the environment's default to no news (overrides.json, which
+    JupyterLab applies to its settings' defaults), once; a file already there is kept."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "jupyter").write_text("#!/bin/sh\nexit 0\n")
+    (venv / "bin" / "jupyter").chmod(0o755)
+    proc = make_in(ROOT, "-o", f"{venv}/.installed", "lab", f"VENV={venv}")
+    assert proc.returncode == 0, proc.stderr
+    overrides = venv / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+    assert json.loads(overrides.read_text()) == {
+        "@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}}
+    overrides.write_text("{}")
+    assert make_in(ROOT, "-o", f"{venv}/.installed", "lab", f"VENV={venv}").returncode == 0
+    assert overrides.read_text() == "{}"
