@@ -48,7 +48,7 @@ for r in runs["runs"]:
     miss = got["tokens/s/GPU"] / want - 1
     memory = ""
     row = {"id": r["id"], "use": r["use"], "published": want, "predicted": got["tokens/s/GPU"],
-           "miss": miss, "eta": got["eta"]}
+           "miss": miss, "eta": got["eta"], "exposed": got["fsdp exposed s"] / got["step s"]}
     if "memory_gib" in r:
         model = run_memory(r, runs)
         memory = (f"{r['memory_gib']:.1f} {r['memory_kind'].split('_')[1]:9s} "

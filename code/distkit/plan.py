@@ -156,14 +156,14 @@ def show(p: dict, name: str = "") -> str:
         f"  step {t['step s']:.2f} s (compute {t['compute s']:.2f}, FSDP exposed "
         f"{t['fsdp exposed s']:.2f}, TP {t['tp comm s']:.2f}, bubble {t['pp bubble s']:.2f}, "
         f"optimizer + copies {t['optimizer s'] + t['copies s']:.2f}), eta {t['eta']:.2f}",
-        f"  {t['tokens/s/GPU']:,.0f} tokens/s/GPU, {p['tokens/s/job'] / 1e6:.2f} M tokens/s for "
-        f"the job, MFU {100 * t['mfu']:.0f} %",
+        f"  {t['tokens/s/GPU']:,.0f} tokens/s/GPU, {p['tokens/s/job']:,.0f} tokens/s for the job, "
+        f"MFU {100 * t['mfu']:.0f} %",
         f"  {p['tokens'] / 1e9:,.0f} B tokens: {p['days']:.1f} days ({p['days ideal']:.1f} "
-        f"without failures), {p['gpu hours'] / 1e3:,.0f} k GPU-hours, "
-        f"${p['cost'] / 1e6:.2f} M at ${p['price']:.2f}/GPU-hour",
-        f"  failures: ~{p['failures']:.0f} interruptions (one every {g['mtbf h']:.0f} h); "
-        f"save every {g['interval s'] / 60:.0f} min ({g['save s']:.0f} s each), goodput "
-        f"{100 * g['goodput']:.1f} %",
+        f"without failures), {p['gpu hours']:,.0f} GPU-hours, ${p['cost']:,.0f} at "
+        f"${p['price']:.2f}/GPU-hour",
+        f"  failures: {p['failures']:.1f} interruptions expected (the job's mean time between "
+        f"them {g['mtbf h']:,.0f} h); save every {g['interval s'] / 60:.0f} min "
+        f"({g['save s']:.0f} s each), goodput {100 * g['goodput']:.1f} %",
         f"  sensitivity: eta +-{100 * p['eta_spread']:.0f} %: {s['eta -']:,.0f} to "
         f"{s['eta +']:,.0f} tokens/s/GPU; links at 70 / 90 % of line rate: "
         f"{s['links 70 %']:,.0f} / {s['links 90 %']:,.0f}"]
