@@ -153,10 +153,13 @@ def write_starters(check_only: bool = False, force: bool = False, code: Path = C
         key = dest.relative_to(code).as_posix()
         if dest.exists():
             now = dest.read_text()
-            committed = _committed(sol)
-            # (below the header line, which may have changed format since)
-            stale = (record.get(key) == _digest(now) or committed is not None
-                     and _body(now) == _body(make_starter(committed, sol.name)))
+            stale = record.get(key) == _digest(now)
+            committed = None if stale else _committed(sol)
+            if committed is not None:  # below the header line, whose format may have changed
+                try:
+                    stale = _body(now) == _body(make_starter(committed, sol.name))
+                except ValueError:  # the committed solution's regions were malformed
+                    pass
             if not stale:
                 if not force:
                     if skipped is not None:

@@ -14,7 +14,7 @@ def gpipe(run):
         res = run(*args)
     except Fail as fail:  # a received activation that does not require grad: no grad to send
         hint = (": a stage's input gradient is None: does the received activation require grad?"
-                if "NoneType" in str(fail) or "None" in str(fail).split(":")[-1] else "")
+                if "`tensor` of type torch.Tensor" in str(fail) else "")  # c10d's own check
         raise Fail(f"{fail}{hint}") from None
     yield losses_match(res["losses"], single, 1e-4, "naive_split.py's on one process",
                        scaled="is each micro-batch's loss divided by m?")
