@@ -94,7 +94,7 @@ for epoch in range(args.epochs):
     sampler.set_epoch(epoch)
     for (tokens,) in loader:
         tokens = tokens.to(env.device)
-        reference = one_process_grads(tokens) if not losses else None  # step 1: the check's
+        reference = one_process_grads(tokens) if not losses else None  # step 1, for the check
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         grads = [p.grad for p in params]
