@@ -304,6 +304,18 @@ def test_every_notebook_stores_what_jupyterlab_writes_on_open(lab, kernel, copie
         f"python -m distkit.course.record --metadata notebooks/*.ipynb ({metadata})")
 
 
+def test_record_metadata_stores_what_jupyterlab_writes(kernel, copies):
+    """The tool that normalises the notebooks (python -m distkit.course.record --metadata)
+    turns the control (old display name) into exactly the bytes of a clean notebook, with the
+    kernel metadata the server reported; a second run changes nothing."""
+    from distkit.course import record
+    _, metadata = kernel
+    control = copies / CONTROL
+    assert record.normalise_metadata([control], metadata) == [control]
+    assert control.read_bytes() == (copies / NOTEBOOKS[0].name).read_bytes()
+    assert record.normalise_metadata([control], metadata) == []
+
+
 # In JupyterLab: open one notebook, give it the test's kernel (JupyterLab then stores that
 # kernel's kernelspec and language_info, as when it starts one on open), save it, close it.
 OPEN_AND_SAVE = """(async () => {
