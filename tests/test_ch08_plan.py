@@ -145,11 +145,15 @@ def test_torch_counts_the_flops_of_the_formulas():
 
 @pytest.mark.second_nproc
 def test_notebook_with_other_parameters(tmp_path):
-    """Another live point (bf16, no checkpointing), another GPU and cluster size: the notebook's
-    asserts hold (live = stored, model within 10 %, FLOPs and bytes = formulas)."""
+    """Another live point (bf16, no checkpointing: stored on 8 ranks, not on 64), another GPU and
+    cluster size, another price: the notebook's asserts hold (live = stored where stored, model
+    within 10 %, FLOPs and bytes = formulas, the trust range, the closed form = the model's
+    crossover) and its plans follow the parameters."""
     from conftest import run_papermill
     text = run_papermill(tmp_path, "08_plan_a_run.ipynb", "-p", "LIVE_POINT", "bf16:none",
-                         "-p", "GPU", "H200 SXM", "-p", "GPU_GIB", "139", "-p", "GPUS_8B", "128")
-    assert "live peak = stored peak: True" in text
+                         "-p", "GPU", "H200 SXM", "-p", "GPUS_8B", "128", "-p", "PRICE", "4.0")
+    assert "1b on 8 ranks: the grid holds it: True; live = stored to the byte: True" in text
+    assert "1b on 64 ranks: the grid holds it: False" in text
     assert "points: peak and every category within 10 %: True" in text
-    assert "GPU H200 SXM" in text and "on 128" in text
+    assert "GPU H200 SXM: 989 TFLOP/s dense bf16, 140.4 GiB" in text
+    assert "128 GPUs: HSDP 16 x 8" in text and "at $4.00/GPU-hour" in text
