@@ -1,24 +1,36 @@
-"""Every relative link in the README, CONTRIBUTING.md and docs/ leads somewhere: a file or folder
-of the repository, and for a `#anchor` into a markdown page, one of its headings."""
+"""Every relative link in the README, CONTRIBUTING.md, docs/ and the notebooks' markdown leads
+somewhere: a file or folder of the repository, and for a `#anchor` into a markdown page, one of
+its headings or anchors (the glossary's `<a id="term">`)."""
 import re
 
+import nbformat
 import pytest
 
 from conftest import ROOT
 
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def anchors(page) -> set:
-    """GitHub's anchors for a markdown page's headings."""
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-            for h in re.findall(r"^#+ (.*)$", page.read_text(), re.M)}
+    """GitHub's anchors for a markdown page's headings, and its HTML anchors (`<a id="x">`)."""
+    text = page.read_text()
+    return ({re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+             for h in re.findall(r"^#+ (.*)$", text, re.M)}
+            | set(re.findall(r"<a id=\"([^\"]+)\"", text)))
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def markdown_of(page) -> str:
+    if page.suffix == ".ipynb":
+        cells = nbformat.read(page, as_version=4).cells
+        return "\n".join(c.source for c in cells if c.cell_type == "markdown")
+    return page.read_text()
+
+
+@pytest.mark.parametrize("page", PAGES + NOTEBOOKS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page):
-    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # not inside code blocks
+    text = re.sub(r"```.*?```", "", markdown_of(page), flags=re.S)  # not inside code blocks
     broken = []
     for target in LINK.findall(text):
         if re.match(r"^[a-z]+:", target):  # http:, https:, mailto:

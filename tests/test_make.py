@@ -58,7 +58,7 @@ def test_lab_allows_root_only_as_root(tmp_path, uid):
     fake_program(tmp_path / "fakebin" / "id", f"echo {uid}")
     venv = tmp_path / "venv"
     fake_program(venv / "bin" / "jupyter", 'echo "jupyter $*" > "$(dirname "$0")/args"')
-    proc = make("-o", f"{venv}/.installed", "lab", f"VENV={venv}",
+    proc = make("-o", f"{venv}/.installed", "lab", f"VENV={venv}", "LAB_DIR=notebooks",
                 path_prefix=tmp_path / "fakebin")
     assert proc.returncode == 0, proc.stderr
     args = (venv / "bin" / "args").read_text().split()
