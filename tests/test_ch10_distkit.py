@@ -44,6 +44,23 @@ def test_emulated_scaled_mm_is_torchs():
         assert fp8.relative_error(mine, a @ b) < 0.06  # float8's own error, a few %
 
 
+def test_float8_linears_three_matmuls_take_float8_operands():
+    """Given the output's gradient, the input and weight gradients are exactly the float8
+    products of the recipe (e5m2 gradients, e4m3 weights and inputs), not fp32's."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32, bias=False)
+    fp8.convert_to_float8(torch.nn.Sequential(lin))
+    x = torch.randn(16, 64, requires_grad=True)
+    gy = torch.randn(16, 32)
+    y = lin(x)
+    y.backward(gy)
+    w = lin.weight.detach()
+    assert torch.equal(y.detach(), fp8.float8_mm(x.detach(), w.t()))
+    assert torch.equal(x.grad, fp8.float8_mm(gy, w, fp8.E5M2, fp8.E4M3))
+    assert torch.equal(lin.weight.grad, fp8.float8_mm(gy.t(), x.detach(), fp8.E5M2, fp8.E4M3))
+    assert not torch.allclose(x.grad, gy @ w, rtol=1e-3, atol=1e-3)
+
+
 def test_float8_linear_gradients_follow_fp32():
     torch.manual_seed(0)
     ref = torch.nn.Linear(64, 32)
@@ -126,7 +143,7 @@ def test_placements():
 # --- distkit.plan3d -----------------------------------------------------------------------------
 
 def test_coordinates_are_init_device_meshs_row_major_layout():
-    c = Composed(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2)
+    c = Composed(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2, microbatches=2)
     grid = torch.arange(c.gpus).reshape(*c.shape.values())
     for rank in range(c.gpus):
         assert tuple(c.coords(rank).values()) == tuple(int(i) for i in
@@ -146,6 +163,8 @@ def test_torchtitan_names():
     assert set(CONFIG_NAMES) == set(MESH_ORDER) | {"schedule", "microbatches"}
     with pytest.raises(ValueError, match="schedule"):
         Composed(schedule="2F2B")
+    with pytest.raises(ValueError, match="micro-batches"):
+        Composed(pp=4, microbatches=2)
 
 
 def test_bubble_and_in_flight_of_layouts():

@@ -130,7 +130,7 @@ def mesh_4d():
     """A 4-D mesh of 16 ranks (pp 2, dp_shard 2, cp 2, tp 2) as torchtitan lays it out: rank 0's
     group on each dimension, and the communication that crosses it."""
     from distkit.plan3d import Composed
-    layout = Composed(pp=2, dp_shard=2, cp=2, tp=2)
+    layout = Composed(pp=2, dp_shard=2, cp=2, tp=2, microbatches=2)
     width, height = 10.6, 6.6
     fig, ax = canvas(width, height)
     title(ax, width / 2, height - 0.3, "A 4-D mesh: pp × dp_shard × cp × tp = 2 × 2 × 2 × 2 = 16 "
