@@ -50,6 +50,8 @@ FAST = {
     "06_capstone_llama_fsdp2.ipynb": {},
     "07_when_things_go_wrong.ipynb": {"TIMEOUT": 2, "LIMIT": 60},
     "08_plan_a_run.ipynb": {},  # already about 20 s: its grid is stored, one point simulated live
+    # 09: shorter sequences (32 tokens, 16 per MoE sequence) and one simulated decoder layer
+    "09_context_and_expert_parallelism.ipynb": {"SIZE": "tiny"},
     # 10: its one 8-process launch is most of its time and has no size to cut; fewer float8 steps
     "10_float8_schedules_3d.ipynb": {"PRESET": "fast"},
 }
