@@ -489,9 +489,44 @@ def test_async_saves_reuse_one_pinned_host_copy(chaos):
     """F4: the capstone's async saves go through distkit's Stager, made once: the second save
     refills the host copy the first one allocated (on a GPU: pinned memory, copied without
     blocking the step), instead of a fresh pageable copy per save."""
+    if "staged_host_bytes" not in run_info(chaos["out"]) and torch.__version__ < "2.13":
+        pytest.skip("torch < 2.13: DCP's default staging (a reused stager fails: "
+                    "pytorch/pytorch#183413)")
     staged = run_info(chaos["out"])["staged_host_bytes"]
     assert len(staged) == 2  # the resumed run's saves, of steps 10 and 15
     assert staged[0]["bytes"] > 0 and all(s["reused"] == s["bytes"] for s in staged[1:])
+
+
+@pytest.mark.second_nproc
+def test_hsdp_2x2_equals_flat_fsdp_and_reshards_onto_2_ranks(tmp_path):
+    """The first configuration in which HSDP shards (4 ranks, 2 replicas x 2 shards): the same
+    losses as flat FSDP over 4 ranks, FSDP2's collectives within a replica (2L + 1 all-gathers,
+    L + 1 reduce-scatters, and the gradient shards all-reduced across replicas), and its
+    checkpoint of step 3 resumed on 2 flat ranks continues as the HSDP run did."""
+    common = ["--data-dir", tmp_path / "data", "--vocab-size", "300", "--seq-len", "32",
+              "--batch-size", "8", "--micro-batch", "2", "--max-steps", "6", "--warmup", "2",
+              "--eval-every", "6", "--eval-sequences", "4", "--no-progress", "--no-export"]
+    hsdp, flat, resumed = tmp_path / "hsdp", tmp_path / "flat", tmp_path / "resumed"
+    proc = run_ok(4, SCRIPT, *common, "--replicate", "2", "--save-every", "3", "--out", hsdp,
+                  timeout=900)
+    assert "HSDP: 2 replicas x 2 shards" in proc.stdout
+    run_ok(4, SCRIPT, *common, "--out", flat, timeout=900)
+    info = run_info(hsdp)
+    counted, layers = info["first_step"]["collectives"], info["fsdp"]["units"] - 1
+    assert info["fsdp"]["mesh"] == [2, 2] and info["micro_batches"] == 1
+    assert (counted["all_gather"], counted["reduce_scatter"]) == (2 * layers + 1, layers + 1)
+    assert counted["all_reduce"] >= layers + 1  # the reduced shards, across the replicas
+    loss = {run: {r["step"]: r["loss"] for r in rows_of(run) if "loss" in r}
+            for run in (hsdp, flat)}
+    assert sorted(loss[hsdp]) == list(range(1, 7))
+    assert max(abs(loss[hsdp][s] - loss[flat][s]) for s in range(1, 7)) < 1e-5
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(hsdp / "checkpoints" / "step_000003", resumed / "checkpoints" / "step_000003")
+    proc = run_ok(2, SCRIPT, *common, "--out", resumed, "--resume", timeout=900)
+    assert "resumed from step_000003: step 3 of 6" in proc.stdout
+    after = {r["step"]: r["loss"] for r in rows_of(resumed) if "loss" in r}
+    assert sorted(after) == [4, 5, 6]
+    assert max(abs(after[s] - loss[hsdp][s]) for s in after) < 1e-5
 
 
 # Options no run here can pass, and why (each still has its bad-input or message test)
@@ -499,15 +534,19 @@ NOT_RUN_HERE = {"--tensorboard": "needs the tensorboard package, not a course de
 
 
 def test_every_option_runs(monkeypatch, capsys):
-    """Every option in --help is passed by a run: a function of this file that launches the
-    script (bad input does not count), a code cell of the notebook, or an entry of
+    """Every option in --help is passed by a run: a function of this file or of
+    test_ch06_recipe.py that launches the script (bad input does not count), a code cell of the
+    notebook, or an entry of
     distkit/course/gpu_smoke.py's registry (GPU-only options, run by `make gpu-smoke`)."""
     _, usage, _ = run_in_process(monkeypatch, capsys, SCRIPT, "--help")
+    usage = usage.split("\n\n")[0]  # the usage lines: each option once, by its first name
     options = set(re.findall(r"(--[a-z][-a-z0-9]*)", usage)) - {"--help"}
-    here = Path(__file__).read_text()
-    runs = [ast.get_source_segment(here, f) for f in ast.parse(here).body
-            if isinstance(f, ast.FunctionDef)]
-    runs = [src for src in runs if "run_ok(" in src or "run_launcher(" in src]
+    runs = []
+    for path in (Path(__file__), Path(__file__).with_name("test_ch06_recipe.py")):
+        here = path.read_text()
+        runs += [ast.get_source_segment(here, f) for f in ast.parse(here).body
+                 if isinstance(f, ast.FunctionDef)]
+    runs = [src for src in runs if "run_ok(" in src or "run_launcher(" in src or "faulty(" in src]
     nb = nbformat.read(ROOT / "notebooks" / NOTEBOOK, as_version=4)
     runs += [c.source for c in nb.cells if c.cell_type == "code"]
     runs += [(CODE / "distkit" / "course" / "gpu_smoke.py").read_text()]

@@ -51,8 +51,8 @@ def test_syntax():
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.parametrize("env, nodes, job", [({}, 2, "12345"),
-                                             ({"SLURM_NNODES": "3", "SLURM_JOB_ID": "777"}, 3, "777")])
+@pytest.mark.parametrize("env, nodes, job", [
+    ({}, 2, "12345"), ({"SLURM_NNODES": "3", "SLURM_JOB_ID": "777"}, 3, "777")])
 def test_dry_run_one_command_per_node(tmp_path, env, nodes, job):
     proc = run(cwd=tmp_path, DRY_RUN="1", **env)  # from any folder: paths stay repo-relative
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
@@ -60,7 +60,7 @@ def test_dry_run_one_command_per_node(tmp_path, env, nodes, job):
     assert list(cmds) == [f"node{i:03d}" for i in range(1, nodes + 1)]
     assert all(c == cmds["node001"] for c in cmds.values())  # every node runs the same command
     opts, script = split(cmds["node001"])
-    grace = re.search(r"^\s*--shutdown-timeout (\d+) ", SBATCH.read_text(), re.M)[1]
+    grace = re.search(r"^grace=\(--shutdown-timeout (\d+)\)", SBATCH.read_text(), re.M)[1]
     assert opts == {"--nnodes": str(nodes), "--nproc-per-node": "8", "--rdzv-backend": "c10d",
                     "--rdzv-endpoint": "node001:29500", "--rdzv-id": job,
                     "--shutdown-timeout": grace}  # the template's value, checked below
@@ -79,7 +79,12 @@ def test_options_exist_where_they_are_used():
     opts, script = split(cmd)
     torchrun = (Path(importlib.util.find_spec("torch").submodule_search_locations[0])
                 / "distributed" / "run.py").read_text()  # found, not imported: no 2 s torch import
-    assert [o for o in opts if f'"{o}"' not in torchrun] == []
+    missing = [o for o in opts if f'"{o}"' not in torchrun]
+    # torch < 2.13 (make test-torch): its torchrun has no --shutdown-timeout; the template
+    # then leaves it out at run time (the dry run shows 2.13's command)
+    assert missing in ([], ["--shutdown-timeout"]) and (
+        not missing or 'sys.exit("--shutdown-timeout" not in run.read_text())' in
+        SBATCH.read_text())
     ours = set(re.findall(r'add_argument\("(--[\w-]+)"', (ROOT / TRAIN).read_text()))
     assert [o for o in script[1:] if o.startswith("--") and o not in ours] == []
     lead = int(re.search(r"^#SBATCH --signal=TERM@(\d+)$", SBATCH.read_text(), re.M)[1])
@@ -98,9 +103,10 @@ def fake_slurm(tmp_path):
     the marker file $MARKER in OUT, as train_llama.py would."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
-    (bin_ / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$LOG/srun"\n'
-                               '[[ -z "$MARKER" ]] || { mkdir -p "$OUT"; echo {} > "$OUT/$MARKER"; }\n'
-                               'exit "${SRUN_STATUS:-0}"\n')
+    (bin_ / "srun").write_text(
+        '#!/bin/bash\nprintf "%s\\n" "$@" > "$LOG/srun"\n'
+        '[[ -z "$MARKER" ]] || { mkdir -p "$OUT"; echo {} > "$OUT/$MARKER"; }\n'
+        'exit "${SRUN_STATUS:-0}"\n')
     (bin_ / "scontrol").write_text('#!/bin/bash\ncase $1 in\n  show) printf "gpu%02d\\n" 1 2;;\n'
                                    '  requeue) echo "$2" >> "$LOG/requeue";;\nesac\n')
     for f in bin_.iterdir():
