@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import run_in_process, run_json, run_scripts_at_once
+from conftest import run_in_process, run_json, run_papermill, run_scripts_at_once
 
 CH = "ch09_long_context_moe"
 
@@ -77,3 +77,15 @@ def test_simulation_at_a_small_point(tmp_path):
         assert r["all-to-all"] == p["all-to-all"], ep
     assert res["ep2"]["gathered layer"] < res["ep1"]["gathered layer"]
     assert "limits: CPU code paths" in out
+
+
+@pytest.mark.second_nproc
+def test_notebook_at_four_processes_and_the_fast_size(tmp_path):
+    """NPROC = 4 with make course FAST=1's size: 4 ranks in every launch (heads, key/value heads
+    and experts follow NPROC), 32-token sequences, one simulated layer; every run's own checks
+    pass and so do the notebook's asserts (papermill fails on any)."""
+    text = run_papermill(tmp_path, "09_context_and_expert_parallelism.ipynb",
+                         "-p", "NPROC", "4", "-p", "SIZE", "tiny")
+    assert text.count("every check passed: True") == 6
+    assert "every check passed: False" not in text
+    assert "code/run_w_torchrun.sh 4 ch09_long_context_moe/ring_attention.py --seq 32" in text
