@@ -119,6 +119,9 @@ RUNS = [
     Run("ch08 one real step vs the plan", 1, "ch08_plan/gpu_step.py",
         ("--seq", "2048", "--batch", "2", "--ac", "full", "--steps", "3", "--json",
          "{out}/step.json"), expect="step.json", torchrun=False),
+    Run("ch08 fused AdamW step", 1, "ch08_plan/gpu_step.py",
+        ("--seq", "2048", "--batch", "2", "--ac", "none", "--steps", "3", "--fused-adamw",
+         "--json", "{out}/fused.json"), expect="fused.json", torchrun=False),
     # chapter 09: torch's context_parallel() itself (CUDA flash attention, bf16; on one GPU
     # the dispatch to the ring kernels runs, the exchange does not); the hand-written ring,
     # Ulysses, FSDP2 x CP and expert parallelism over NCCL; transformers' EP
