@@ -24,6 +24,12 @@ Submodules that lesson scripts import, where needed (the lesson layer: small, re
   of GPU datasheet figures.
 - `distkit.plan`: chapter 08's planner (a `Layout`'s memory budget, time, days, cost and
   goodput; the efficiency fitted on the public runs in code/ch08_plan/public_runs.json).
+- `distkit.fp8`: chapter 10's float8: scales, saturated casts, scaled matmuls (emulated and by
+  `torch._scaled_mm`), an emulated `Float8Linear`, float8 all-gather bytes.
+- `distkit.schedules`: chapter 10's pipeline schedules as data: torch's action lists, their
+  timeline on an ideal machine, bubbles, in-flight micro-batches, a recording stage.
+- `distkit.plan3d`: chapter 10's composed layouts: collectives by mesh dimension (`MeshLog`),
+  torchtitan's degrees and names (`Composed`), chapter 08's planner with schedules and float8.
 
 The course's own tooling lives in `distkit.course` (notebook launcher, plots, `make` targets,
 website, exercise checkers, diagrams); lesson scripts never import it.
