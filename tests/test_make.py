@@ -89,6 +89,8 @@ def test_clean_removes_build_and_checkpoints_but_not_the_venv(tmp_path):
     ("course", ".venv/bin/python -m distkit.course.run_course"),
     ("images", ".venv/bin/python -m distkit.course.diagrams"),
     ("exercises", ".venv/bin/python -m distkit.course.exercise --write"),
+    ("starters", ".venv/bin/python -m distkit.course.exercise --write"),
+    ("lint", ".venv/bin/ruff check ."),
 ])
 def test_targets_run(target, command):
     proc = make("-n", "-o", ".venv/.installed", target)
