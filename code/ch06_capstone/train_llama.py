@@ -553,6 +553,13 @@ def write_run_info() -> None:
 
 write_run_info()
 
+log, tb = None, None  # rank 0's metrics file (and TensorBoard), appended to on a resume
+if env.rank == 0:
+    log = metrics_path.open("a")
+    if args.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        tb = SummaryWriter(out / "tensorboard", purge_step=progress.step + 1)
+
 # ---- checkpoints. A save writes step K's state into step_K.tmp (dcp.save; or in the
 # background, dcp.async_save); a thread then reads back and hashes this rank's files. It is
 # committed (ckpt.commit: manifest, atomic rename) only at a later step's all-reduce that says
@@ -629,12 +636,6 @@ def fail_nonfinite(loss: float, gnorm: float, step: int) -> None:
 
 
 # ---- logging
-log, tb = None, None
-if env.rank == 0:
-    log = metrics_path.open("a")
-    if args.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-        tb = SummaryWriter(out / "tensorboard", purge_step=progress.step + 1)
 print0(f"{config.model_type} {args.preset if not args.model_path else args.model_path}: "
        f"{sum(q.numel() for q in model.parameters()):,} parameters, {env.world_size} rank(s) on "
        f"{env.device.type}, {'bf16' if bf16 else 'fp32'}; {len(train_data)} training "
