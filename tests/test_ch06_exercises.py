@@ -29,7 +29,7 @@ LOCAL_VERDICT = ("return mean_loss, norm, not (math.isfinite(mean_loss) and math
 EXIT_0 = ("os._exit(3)", "os._exit(0)")
 # The guard in place, but the optimizer steps before the exit (as a guard written at the end of
 # the loop body does): the corrupted gradient reaches every weight of its shard group
-STEP_THEN_STOP = ("        report(step)\n", "        optimizer.step()\n        report(step)\n")
+STEP_THEN_STOP = ("report(step)", "optimizer.step()\nreport(step)")
 
 
 @pytest.fixture(scope="module")
