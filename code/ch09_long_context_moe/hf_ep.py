@@ -26,8 +26,9 @@ from distkit import print0, seed_everything, setup, teardown, write_json
 from distkit.comm import CollectiveLog
 from distkit.toy import counting_data
 
-# transformers' EP against one process, float32: measured loss 0.0, gradients <= 9.3e-10
-# (N = 2; native and scalar kernels). Bounds far above; far below a token at the wrong expert.
+# transformers' EP against one process, float32: measured loss <= 4.8e-7, gradients <= 3.0e-8
+# (N = 2; native and scalar kernels). Bounds 20x and 30x above; far below a token at the wrong
+# expert.
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-6
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

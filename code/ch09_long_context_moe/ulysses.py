@@ -23,8 +23,9 @@ from distkit.comm import CollectiveLog
 from distkit.cp import reference_attention, ulysses_attention, ulysses_bytes
 
 # Ulysses runs the same SDPA kernel on the same rows of each head as the reference: measured
-# 0.0 in both dtypes (N = 2, 4; native and scalar kernels). The bounds allow a kernel that tiles
-# a longer sequence differently, and stay far below a head sent to the wrong rank (errors ~1).
+# 0.0 in both dtypes (N = 2 and 4; and N = 2 with the scalar kernels). The bounds allow a
+# kernel that tiles a longer sequence differently, and stay far below a head sent to the wrong
+# rank (errors ~1).
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
