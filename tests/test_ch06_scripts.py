@@ -203,6 +203,34 @@ def test_jsonl_records_held_out_whole(tmp_path):
     assert corpus.load(folder, 32)[1].shape[0] > 0
 
 
+def test_parquet_and_saved_datasets_when_installed(tmp_path):
+    """With pyarrow and datasets installed (optional, not course dependencies: skipped where
+    absent; `make test-torch`'s venv can have them), a Parquet file, a folder saved by datasets
+    and one saved as a DatasetDict give the documents of the JSON Lines they were written from,
+    and the same tokens."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    paragraphs = write_jsonl(tmp_path / "d.jsonl")
+
+    def docs(path):
+        return [doc for _, doc, _ in corpus.documents([path])]
+    pq.write_table(pa.table({"text": paragraphs, "n": list(range(len(paragraphs)))}),
+                   tmp_path / "d.parquet")
+    assert docs(tmp_path / "d.parquet") == docs(tmp_path / "d.jsonl") == paragraphs
+    assert corpus.check([tmp_path / "d.parquet"], "body") == \
+        f"{tmp_path}/d.parquet: no column 'body' (--text-field)"
+    same = [corpus.prepare(tmp_path / "cache", 300, paths=[tmp_path / name])
+            for name in ("d.jsonl", "d.parquet")]
+    assert len(set(same)) == 2  # two caches, of the same tokens
+    assert (same[0] / "train.bin").read_bytes() == (same[1] / "train.bin").read_bytes()
+    datasets = pytest.importorskip("datasets")
+    data = datasets.Dataset.from_dict({"text": paragraphs})
+    data.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": data}).save_to_disk(str(tmp_path / "dict"))
+    for name in ("saved", "dict"):
+        assert corpus.check([tmp_path / name]) is None
+        assert docs(tmp_path / name) == paragraphs
+
+
 def test_token_cache_built_once_per_job(tmp_path, monkeypatch):
     """F6: only global rank 0 builds the cache, not the first rank of every node (N nodes would
     tokenize the corpus N times over, on the shared file system); the others wait for its
