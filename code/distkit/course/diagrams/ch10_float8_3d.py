@@ -168,8 +168,8 @@ def mesh_4d():
               style="-", rad=0.3 if d in ("pp", "dp_shard") else 0.0, zorder=1.5)
     rows = (("tp", "tensor parallel: all-gather / reduce-scatter of activations in every layer "
              "(sequence parallel); inside a node, NVLink"),
-            ("cp", "context parallel: keys and values passed round the ring in every attention;"
-             " FSDP shards over dp_shard × cp"),
+            ("cp", "context parallel: keys and values exchanged in every attention (all-gather"
+             " or ring); FSDP shards over dp_shard × cp"),
             ("dp_shard", "FSDP: all-gather the weights, reduce-scatter the gradients "
              "(torchtitan: over the flattened dp_shard_cp)"),
             ("pp", "pipeline: send/recv of one micro-batch's activations to the next stage, "
