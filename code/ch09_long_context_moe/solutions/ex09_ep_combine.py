@@ -94,10 +94,13 @@ results = {}
 # 1. probes of combine alone: (a) every row back at its token, (b) the router's weights applied
 _, weights, experts = route(x[:T], router.detach(), k)
 order = torch.argsort(experts.reshape(-1), stable=True)
-token_of_row = (order // k).float().unsqueeze(-1)       # row i: the token it came from
-back = combine(token_of_row, order, torch.full((T, k), 1 / k, device=env.device))
-results["rows back at their tokens"] = bool(torch.allclose(back.squeeze(-1),
-                                                          order.new_tensor(range(T)) * 1.))
+# (a) row i carries its token's number + 1: each token's output must be that number times one
+# constant (the sum of its weights, whatever the weighting)
+token_of_row = (order // k + 1).float().unsqueeze(-1)
+back = combine(token_of_row, order, torch.full((T, k), 1 / k, device=env.device)).squeeze(-1)
+ratio = back / (torch.arange(T, device=env.device) + 1)
+results["rows back at their tokens"] = bool(torch.allclose(ratio, ratio[0].expand(T)))
+# (b) rows of ones: each token's output must be the sum of its router weights (1)
 ones = combine(torch.ones(T * k, 1, device=env.device), order, weights.detach())
 results["weighted by the router"] = bool(torch.allclose(ones.squeeze(-1), weights.sum(-1)))
 
@@ -116,6 +119,8 @@ loss = F.cross_entropy(out @ head.T, labels[r * T:(r + 1) * T])  # the mean over
 loss.backward()
 # the global loss is the mean of the ranks' means: experts' gradients (summed over every rank's
 # loss by the all-to-all's backward) and the replicated router's (averaged) divided by N
+if my_router.grad is None:  # no gradient reached the router through the combine's weights
+    my_router.grad = torch.zeros_like(my_router)
 dist.all_reduce(my_router.grad)
 errors = torch.tensor([
     (out - ref_out[r * T:(r + 1) * T]).abs().max().item(),
