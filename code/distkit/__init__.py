@@ -24,6 +24,12 @@ Submodules that lesson scripts import, where needed (the lesson layer: small, re
   of GPU datasheet figures.
 - `distkit.plan`: chapter 08's planner (a `Layout`'s memory budget, time, days, cost and
   goodput; the efficiency fitted on the public runs in code/ch08_plan/public_runs.json).
+- `distkit.cp`: chapter 09's context parallelism by hand: ring attention (its backward too) and
+  Ulysses, the online softmax, the contiguous and head-tail layouts, their bytes and causal work.
+- `distkit.moe`: chapter 09's mixture of experts by hand: routing, grouped-GEMM experts,
+  `ExpertParallel` (counts, dispatch, combine), capacity and the load-balancing loss.
+- `distkit.cpep`: chapter 09's planner for context and expert parallelism (memory per GPU, bytes
+  per step; MoE parameter counts of published configurations).
 - `distkit.fp8`: chapter 10's float8: scales, saturated casts, scaled matmuls (emulated and by
   `torch._scaled_mm`), an emulated `Float8Linear`, float8 all-gather bytes.
 - `distkit.schedules`: chapter 10's pipeline schedules as data: torch's action lists, their
