@@ -601,8 +601,8 @@ def commit_pending() -> None:
     """Commit the pending save (waiting for its files if needed; a collective)."""
     global pending
     if pending:
-        ckpt.commit(pending["step"], hashed=pending["written"].result(),
-                    world_size=env.world_size)
+        pending["written"].result()  # (own_files() hashed them: commit() hashes nothing more)
+        ckpt.commit(pending["step"], world_size=env.world_size)
         pending = None
 
 
@@ -615,7 +615,9 @@ def fail_nonfinite(loss: float, gnorm: float, step: int) -> None:
     if pending:
         with contextlib.suppress(Exception):
             pending["written"].result()  # its writes must end before its folder goes
-        ckpt.discard(pending["step"])
+        if env.rank == 0:
+            shutil.rmtree(ckpt.path(pending["step"]).with_suffix(".tmp"), ignore_errors=True)
+        dist.barrier()
         discarded = (f"step {pending['step']}'s save discarded (it may hold the update that "
                      "led here); ")
         pending = None

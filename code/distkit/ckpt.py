@@ -240,29 +240,35 @@ def _writer_of(name: str, world: int) -> int:
     return int(match[1]) if match and int(match[1]) < world else 0
 
 
+_HASHED: dict[str, dict] = {}  # folder -> what own_files() read back there (for commit())
+
+
 def own_files(folder: str | os.PathLike) -> dict:
     """{name: {"bytes", "sha256"}} of the files in `folder` that this rank wrote (see
     _writer_of), read back and hashed. No collective: a thread beside training can run it once
-    the rank's save is written, and hand the result to commit(step, hashed=...), which then
-    hashes nothing in the training thread. (This process lists the folder itself: it sees the
-    files it wrote; commit() hashes any file it missed.)"""
+    the rank's save is written. The result is remembered: CheckpointDir.commit() of that folder
+    then takes it instead of reading and hashing the files again in the training thread. (This
+    process lists the folder itself: it sees the files it wrote; commit() hashes any it missed.)"""
     rank, world = _rank_world()
     folder = Path(folder)
-    return {name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
-            for name in _listing(folder) if _writer_of(name, world) == rank}
+    facts = {name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
+             for name in _listing(folder) if _writer_of(name, world) == rank}
+    _HASHED[str(folder)] = facts
+    return facts
 
 
-def _file_facts(folder: Path, names: list[str], known: dict | None = None) -> dict:
+def _file_facts(folder: Path, names: list[str]) -> dict:
     """{name: {"bytes", "sha256"} or {"error"}} for these files of a folder, the same dict on
     every rank (a collective; every rank must pass the same names). Each rank reads back the
     files it wrote itself (__RANK_*.distcp: on its own node's page cache, not over the network),
-    unless `known` (own_files()) already holds them; a file it cannot read becomes an "error"
-    entry instead of an exception, so no rank leaves the collective early."""
+    unless own_files() already did; a file it cannot read becomes an "error" entry instead of
+    an exception, so no rank leaves the collective early."""
     rank, world = _rank_world()
+    known = _HASHED.pop(str(folder), {})
     mine = {}
     for name in names:
         if _writer_of(name, world) == rank:
-            if known and name in known:
+            if name in known:
                 mine[name] = known[name]
                 continue
             try:
@@ -300,14 +306,13 @@ class CheckpointDir:
         _barrier()
         return tmp
 
-    def commit(self, step: int, hashed: dict | None = None, **facts) -> Path:
+    def commit(self, step: int, **facts) -> Path:
         """Seal step_NNNNNN.tmp/ once dcp.save has returned (on every rank: all shards and
         .metadata are on disk; after async_save: once its upload is done): a manifest, then an
         atomic rename; then keep the newest K. Every rank reads back and hashes what it wrote,
-        which costs a read of the whole checkpoint (12 bytes per parameter) at every save,
-        unless `hashed` (this rank's own_files(), computed earlier, e.g. in a thread) has it."""
+        which costs a read of the whole checkpoint (12 bytes per parameter) at every save."""
         tmp, final = self.path(step).with_suffix(".tmp"), self.path(step)
-        files = _file_facts(tmp, _from_rank0(_listing(tmp)), hashed)
+        files = _file_facts(tmp, _from_rank0(_listing(tmp)))
         if bad := [f"{n}: {f['error']}" for n, f in files.items() if "error" in f]:
             raise RuntimeError(f"cannot commit {tmp.name}: " + "; ".join(bad))  # on every rank
         if _rank0():
@@ -327,13 +332,6 @@ class CheckpointDir:
                 shutil.rmtree(old)
         _barrier()
         return final
-
-    def discard(self, step: int) -> None:
-        """Remove step_NNNNNN.tmp/, a save that must not become a checkpoint (collective; wait
-        for its writes to end first)."""
-        if _rank0():
-            shutil.rmtree(self.path(step).with_suffix(".tmp"), ignore_errors=True)
-        _barrier()
 
     def committed(self) -> list[Path]:
         """Committed checkpoint folders as this process sees them, oldest first by step
