@@ -9,8 +9,10 @@ each GPU, per micro-step (`step_time`):
   compute, the backward's all-gathers and fp32 reduce-scatters behind the backward's (and its
   recompute); each collective is alpha-beta (`collective_time`: a latency per ring step, NCCL's
   own tuning constants by default, plus bytes over the bus bandwidth, a stated fraction of the
-  line rate); what the compute cannot cover shows, and so do the first gather and the last
-  reduce-scatter, which nothing covers;
+  line rate: NVLink inside a node; across nodes NCCL spreads a ring's channels over all the
+  node's NICs, so a ring with k GPUs in each node gets k NICs, `ring_bandwidth`); what the
+  compute cannot cover shows, and so do the first gather and the last reduce-scatter, which
+  nothing covers;
 - HSDP (`replicate` > 1): the shard group's collectives as above, plus one all-reduce of the
   gradient shards across the replicas in the last micro-step of an optimizer step;
 - tensor parallelism: its all-reduces (or, with sequence parallelism, all-gathers and
@@ -47,6 +49,10 @@ Sources:
   14 us per step between nodes (its model: latency = base + steps inside nodes x 3.4 + steps
   between nodes x 14, steps = ranks - 1 for an all-gather or reduce-scatter, twice that for an
   all-reduce). Order-of-magnitude defaults: measure yours (chapter 00's allreduce_bench.py).
+  Its bandwidth model (tuning.cc: busBw = nChannels x bw per channel) is the whole node's: a
+  ring's channels go out through different NICs. NVIDIA measures 192 GB/s all-reduce bus
+  bandwidth between DGX A100s with 8 x 200 Gb/s NICs (github.com/NVIDIA/nccl issue 812), eight
+  times one NIC's 25 GB/s, and expects 46-48 GB/s per 400 Gb/s NIC (NVIDIA/nccl-tests issue 290).
 - torch 2.13 torch/optim/adam.py `_multi_tensor_adam` (AdamW's foreach step, counted in
   `ADAMW_BYTES`); torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py (FSDP2's copy-in
   before an all-gather, copy-out after it, the reduce-scatter's copy-in; `FSDP_COPY_BYTES`).
@@ -98,7 +104,9 @@ GPUS = {
     "H100 500W HBM2e": GPU("H100 500W HBM2e", PEAK_BF16["H100"], None, 2.4e12, 450e9,
                            "torchtitan benchmarks/llama3_h100_202412_torchtitan.md", "hopper"),
 }
-# bytes/s one way per GPU between nodes (one NIC per GPU)
+# bytes/s one way per GPU between nodes: one NIC per GPU (DGX/HGX); a node with fewer NICs than
+# GPUs: its NICs' bandwidth / its GPUs. A ring with k GPUs in each node uses k of them
+# (`ring_bandwidth`).
 LINKS = {"IB NDR / RoCE 400G": 400e9 / 8, "IB HDR 200G": 200e9 / 8}
 GPUS_PER_NODE = 8
 
@@ -135,14 +143,26 @@ PCIE = 25e9        # bytes/s per GPU, host <-> device (assumed)
 HOST_BW = 30e9     # bytes/s of host memory bandwidth per GPU for AdamW on the CPU (assumed)
 
 
+def ring_bandwidth(ranks: int, per_node: int, intra: float, inter: float) -> float:
+    """Line rate per rank of a ring over `ranks` ranks, `per_node` of them in each node: NVLink
+    (`intra`) inside one node. Across nodes every ring step moves the same bytes on every hop,
+    and NCCL lays the ring's channels out through different NICs, so the per_node GPUs of a node
+    share per_node NICs (`inter` each: one per GPU): per_node x inter, at most NVLink's rate
+    (each rank also sends all its bytes over NVLink). FSDP over whole nodes: the node's NICs;
+    with tp 8 innermost (one rank of each FSDP group per node), or HSDP's replicas: one NIC."""
+    per_node = max(1, min(per_node, ranks))
+    return intra if ranks <= per_node else min(intra, per_node * inter)
+
+
 def collective_time(op: str, nbytes: float, ranks: int, per_node: int, intra: float,
                     inter: float, fabric: Fabric = FABRIC) -> float:
     """Seconds of one ring collective on a buffer of `nbytes` (an all-gather's output, a
     reduce-scatter's input, an all-reduce's buffer) over `ranks` ranks, `per_node` of them in
     each node: alpha-beta, alpha from NCCL's ring model (steps inside nodes at nvlink_step,
     between nodes at net_step, a base per collective), beta the (N-1)/N share of the bytes each
-    rank sends over its slowest link (NVLink `intra` inside one node, else the NIC `inter`) at
-    the fabric's bus efficiency. "all_reduce" = a reduce-scatter then an all-gather."""
+    rank sends at the ring's line rate (`ring_bandwidth`: NVLink `intra` inside one node, the
+    node's NICs `inter` each across nodes) times the fabric's bus efficiency. "all_reduce" = a
+    reduce-scatter then an all-gather."""
     if ranks <= 1:
         return 0.0
     if op not in ("all_gather", "reduce_scatter", "all_reduce"):
@@ -153,7 +173,7 @@ def collective_time(op: str, nbytes: float, ranks: int, per_node: int, intra: fl
     times = 2 if op == "all_reduce" else 1
     latency = fabric.base + times * ((steps - between) * fabric.nvlink_step
                                      + between * fabric.net_step)
-    bandwidth = (intra if nodes == 1 else inter) * fabric.bus_efficiency
+    bandwidth = ring_bandwidth(ranks, per_node, intra, inter) * fabric.bus_efficiency
     return latency + times * (ranks - 1) / ranks * nbytes / bandwidth
 
 
@@ -463,16 +483,21 @@ def implied_eta(config, layout: Layout, tokens_per_s_per_gpu: float, *, gpu: GPU
     return (lo + hi) / 2
 
 
-def fsdp_threshold_tokens(eta: float, gpu: GPU, bandwidth: float, ac: str = "none") -> float:
+def fsdp_threshold_tokens(eta: float, gpu: GPU, bandwidth: float, ac: str = "none", *,
+                          alpha: float = 0.0, layer_params: float | None = None) -> float:
     """Tokens per GPU per micro-step below which FSDP's backward collectives outlast the
     backward's compute (F8's closed form, per phase): the backward moves 6 bytes per parameter
     (a bf16 gather, an fp32 reduce-scatter) and computes 4 FLOPs per parameter and token (6
-    with full checkpointing's rerun), so it hides while T >= 6 eta P / (4 B) (resp. / 6 B):
-    independent of the model's size. `bandwidth`: the bus bandwidth (line rate x efficiency).
-    Leaves out the attention's FLOPs (more compute: a lower threshold), the root's and the
-    latency (a higher one)."""
+    with full checkpointing's rerun), so its bytes hide while T >= 6 eta P / (4 B) (resp. / 6 B):
+    independent of the model's size. `bandwidth`: the ring's bus bandwidth per GPU (line rate x
+    efficiency: across whole nodes, the node's NICs; `ring_bandwidth`). With `alpha`, the
+    latency of one of the ring's collectives (N - 1 steps: it grows with the GPUs), and
+    `layer_params`, each layer's gather and reduce-scatter also wait 2 alpha: + 2 alpha eta P /
+    (4 layer_params) tokens, larger for smaller layers. Leaves out the attention's FLOPs (more
+    compute: a lower threshold) and the root's bytes (a higher one)."""
     flops_per_param = 6 if ac == "full" else 4
-    return 6 * eta * gpu.peak / (flops_per_param * bandwidth)
+    latency = 2 * alpha * eta * gpu.peak / (flops_per_param * layer_params) if alpha else 0.0
+    return 6 * eta * gpu.peak / (flops_per_param * bandwidth) + latency
 
 
 def peak_bytes(config, *, gpus: int, seq: int, batch: int = 1, tp: int = 1, ac: str = "full",
@@ -513,4 +538,4 @@ __all__ = ["ADAMW_BYTES", "FABRIC", "FSDP_COPY_BYTES", "GPU", "GPUS", "GPUS_PER_
            "attention_flops", "collective_time", "count_flops",
            "days", "fsdp_threshold_tokens", "hardware_flops", "implied_eta",
            "memory_bound_seconds", "optimizer_step_bytes", "peak_bf16", "peak_bytes",
-           "step_time"]
+           "ring_bandwidth", "step_time"]
