@@ -269,3 +269,16 @@ def test_gpu_step_bad_input_and_cpu(monkeypatch, capsys):
     status, out, _ = run_in_process(monkeypatch, capsys, "ch08_plan/gpu_step.py",
                                     "--fused-adamw")
     assert status == 0 and out.startswith("skipped: no CUDA device")
+
+
+def test_cpu_offload_plan_states_its_host_memory():
+    """FSDP2's CPUOffloadPolicy moves the fp32 shards, their gradients and AdamW's two moments to
+    the host: 16 bytes per parameter a GPU owns, which the node's (pinned) RAM must hold for all
+    its GPUs: 70B on one node of 8 = 16 x 70.55e9 / 8 per GPU, about 1 TiB per node."""
+    from distkit.plan import plan, show
+    params = 80 * llama_parts(C70)["layer"] + llama_parts(C70)["root"]
+    kw = dict(gpu=H100, link=NDR, eta=0.4, tokens=1e9, price=2.5)
+    p = plan(C70, Layout(gpus=8, seq=8192, ac="full", cpu_offload=True), **kw)
+    assert p["host"] == pytest.approx(16 * params / 8)
+    assert f"host RAM (CPU offload) {16 * params / 8 / GiB:,.0f} GiB per GPU" in show(p)
+    assert plan(C70, Layout(gpus=32, seq=8192, ac="full"), **kw)["host"] == 0

@@ -24,7 +24,7 @@ import json
 import math
 from pathlib import Path
 
-from distkit.speed import (FABRIC, GPUS, LINKS, Efficiency, Fabric, Layout, days,
+from distkit.speed import (FABRIC, GPUS, GPUS_PER_NODE, LINKS, Efficiency, Fabric, Layout, days,
                            hardware_flops, peak_bytes, step_time)
 from distkit.memory import GiB, flops_per_token, llama_parts, llama_training_bytes
 
@@ -108,10 +108,11 @@ def plan(config, layout: Layout, *, gpu, link: float, eta, tokens: float, price:
          fabric: Fabric = FABRIC, optimizer: str = "foreach", eta_spread: float = 0.0,
          gpu_gib: float | None = None) -> dict:
     """Everything a budget holder asks of one layout: memory (allocated, reserved-equivalent,
-    fits), global batch and accumulation, tokens per step, step time, tokens/s per GPU and per
-    job, days, GPU-hours and cost for `tokens` at `price` per GPU-hour, expected interruptions
-    and goodput (the days and cost include the waste), and a sensitivity line: tokens/s with
-    eta at +-eta_spread (relative) and with the links at 70 % and 90 % of line rate."""
+    fits; with CPU offload the host RAM the states take), global batch and accumulation, tokens
+    per step, step time, tokens/s per GPU and per job, days, GPU-hours and cost for `tokens` at
+    `price` per GPU-hour, expected interruptions and goodput (the days and cost include the
+    waste), and a sensitivity line: tokens/s with eta at +-eta_spread (relative) and with the
+    links at 70 % and 90 % of line rate."""
     gpu_gib = gpu.memory_gib if gpu_gib is None else gpu_gib
     allocated = layout_peak_bytes(config, layout)
     t = step_time(config, layout, gpu=gpu, link=link, eta=eta, fabric=fabric,
@@ -133,7 +134,11 @@ def plan(config, layout: Layout, *, gpu, link: float, eta, tokens: float, price:
     sens = {"eta -": speed(eta=scaled(1 - eta_spread)), "eta +": speed(eta=scaled(1 + eta_spread)),
             "links 70 %": speed(fabric=Fabric(**{**fabric.__dict__, "bus_efficiency": 0.7})),
             "links 90 %": speed(fabric=Fabric(**{**fabric.__dict__, "bus_efficiency": 0.9}))}
+    # CPU offload moves the states to the host: fp32 shards, gradients and AdamW's two moments,
+    # 16 bytes per parameter this GPU owns, in pinned memory (the node's RAM must hold 8 GPUs')
+    host = 16 * params / (layout.tp * layout.pp * layout.shard) if layout.cpu_offload else 0.0
     return {"layout": layout, "allocated": allocated, "reserved": reserved_bytes(allocated),
+            "host": host,
             "gpu_gib": gpu_gib, "fits": fits(allocated, gpu_gib) if gpu_gib else None,
             "time": t, "tokens/s/job": t["tokens/s/GPU"] * layout.gpus, "days ideal": ideal,
             "days": wall, "gpu hours": wall * 24 * layout.gpus,
@@ -149,7 +154,9 @@ def show(p: dict, name: str = "") -> str:
     lines = [
         f"{name}{lay.gpus} GPUs: {lay.describe()}",
         f"  memory: {p['allocated'] / GiB:.1f} GiB allocated, {p['reserved'] / GiB:.1f} GiB "
-        f"reserved-equivalent of {p['gpu_gib']:.1f}: fits {p['fits']}",
+        f"reserved-equivalent of {p['gpu_gib']:.1f}: fits {p['fits']}"
+        + (f"; host RAM (CPU offload) {p['host'] / GiB:,.0f} GiB per GPU, "
+           f"{GPUS_PER_NODE * p['host'] / GiB:,.0f} per node, pinned" if p.get("host") else ""),
         f"  global batch {lay.dp * lay.batch * lay.accumulation} sequences = "
         f"{t['tokens/step'] / 2**20:.2f} M tokens/step ({lay.dp} data-parallel ranks x "
         f"{lay.batch} x {lay.accumulation} accumulation)",
