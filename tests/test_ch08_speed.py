@@ -282,3 +282,25 @@ def test_cpu_offload_plan_states_its_host_memory():
     assert p["host"] == pytest.approx(16 * params / 8)
     assert f"host RAM (CPU offload) {16 * params / 8 / GiB:,.0f} GiB per GPU" in show(p)
     assert plan(C70, Layout(gpus=32, seq=8192, ac="full"), **kw)["host"] == 0
+
+
+def test_memory_options_by_hand():
+    """llama_training_bytes' modelled options (not simulated), at 8B, 8 ranks, 8192 tokens:
+    CPU offload takes the shards and AdamW's moments out of the GPU's total (the same moment,
+    loss backward); 1F1B's first stage holds pp micro-batches of its L / pp layers: (pp - 1) x
+    L / pp layers' saved tensors more; a chunked loss holds 1 / c of the fp32 log-softmax (and
+    the vocabulary-parallel loss 1 / t of it)."""
+    from distkit.memory import llama_layer_saved, llama_rest_saved
+    kw = dict(ranks=8, seq=8192, batch=1, ac="full")
+    base = llama_training_bytes(C8, **kw)
+    off = llama_training_bytes(C8, **kw, cpu_offload=True)
+    assert base["moment"] == off["moment"] == "loss backward"
+    states = base["Sharded Param"] + base["OptState"]
+    assert (off["CPU"], off["Total"]) == (states, base["Total"] - states)
+    saved = sum(llama_layer_saved(C8, 8192, 1, ac="full").values())
+    one, four = (llama_training_bytes(C8, **kw, pipeline_parallel=4, in_flight=n) for n in (1, 4))
+    assert four["Activation"] - one["Activation"] == 3 * 8 * saved
+    T, V = 8192, C8["vocab_size"]
+    key = "log-softmax of the fp32 logits (the loss)"
+    assert llama_rest_saved(C8, T, 1, loss_chunks=8)[key] == 4 * T * V // 8 + 4
+    assert llama_rest_saved(C8, T, 1, vocab_parallel=8, loss_chunks=2)[key] == 4 * T * V // 16 + 4
