@@ -43,7 +43,13 @@ def wrong(tmp_path_factory):
 def at_3(tmp_path_factory):
     """make test-nproc: the solutions at 3 ranks."""
     return check_at_once({"naive": ("00.1", None), "mean": ("00.2", None),
-                          "halves": ("00.3", None)},
+                          "halves": ("00.3", None),
+                          # ranks 1..N-1 receive before they send, as rank 0 does: a deadlock,
+                          # ended by gloo's timeout (60 s of waiting, little CPU)
+                          "naive_recv_first": ("00.1", [
+                              ("dist.send(x, dst=0)", "dist.recv(total, src=0)"),
+                              ("dist.recv(total, src=0)  # overwrites total with the sum",
+                               "dist.send(x, dst=0)")])},
                          tmp_path_factory.mktemp("ch00_ex"), nprocs="largest")
 
 
@@ -133,6 +139,19 @@ def test_naive_allreduce_passes(at_3):
     assert res["bytes"] == S and res["received"] == [2 * S, S, S] and res["sent"] == [2 * S, S, S]
     assert lines[-1] == f"PASS [3 ranks] bytes sent per rank = [{2 * S}, {S}, {S}] ((N-1) S on " \
                         "rank 0, S elsewhere)"
+
+
+@pytest.mark.second_nproc
+def test_naive_sends_and_recvs_out_of_order_are_named(at_3):
+    """Every rank waits in a recv: the launch fails at gloo's timeout, with the hint (and the
+    line of whichever rank's recv timed out first)."""
+    ok, lines, _ = at_3["naive_recv_first"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [3 ranks] the launch failed: RuntimeError: ")
+    assert "Timed out waiting" in lines[-1]
+    assert "/ch00_collectives/exercises/ex00_naive_allreduce.py:" in lines[-1]
+    assert lines[-1].endswith("): a rank waited for a tensor no rank sent: does each recv meet "
+                              "its send, in the same order on both sides?")
 
 
 @pytest.mark.second_nproc

@@ -4,7 +4,12 @@ from distkit.course.exercise import Fail, exercise
 
 @exercise("00.1", "ch00_collectives/exercises/ex00_naive_allreduce.py")
 def naive_allreduce(run):
-    res = run("--numel", "1024")
+    try:
+        res = run("--numel", "1024")
+    except Fail as fail:  # gloo's timeout (60 s) on a recv whose send never came
+        hint = (": a rank waited for a tensor no rank sent: does each recv meet its send, in "
+                "the same order on both sides?" if "Timed out" in str(fail) else "")
+        raise Fail(f"{fail}{hint}") from None
     N, S = run.nproc, res["bytes"]
     wrong = [r for r, ok in enumerate(res["equal"]) if not ok]
     yield (not wrong, "the sum on every rank = dist.all_reduce's",
