@@ -5,10 +5,11 @@ planner for PP x FSDP x TP (x CP) layouts in torchtitan's terms. Chapter 10.
   (torch's c10d send/recv_ ops, which pipelining issues through batch_isend_irecv), each named
   by the mesh dimension its ranks share (`mesh_dim_of`).
 - `startup`: seconds from this process's start to now (the import and set-up cost of a launch).
-- `Layout`: the degrees of a composed layout, torchtitan's mesh order ("pp", "dp_replicate",
-  "dp_shard", "cp", "tp") and its ParallelismConfig field names; `plan` adds memory per GPU
-  and step time to chapter 08's model (distkit.memory, distkit.speed): the pipeline's bubble and
-  in-flight micro-batches (distkit.schedules), context parallelism, float8 matmuls.
+- `Composed`: the degrees of a composed layout, torchtitan's mesh order ("pp", "dp_replicate",
+  "dp_shard", "cp", "tp") and its ParallelismConfig field names; `step_time` and `memory` add
+  step time and memory per GPU to chapter 08's model (distkit.memory, distkit.speed): the
+  pipeline's bubble and in-flight micro-batches (distkit.schedules), context parallelism (memory
+  only), float8 matmuls at twice the rate (an upper bound: the casts are not modelled).
 """
 from __future__ import annotations
 
