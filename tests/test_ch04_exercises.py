@@ -48,6 +48,18 @@ def at_3(tmp_path_factory):
         # sync turned off and never on again: no reduce-scatter, no sharded gradient to step
         "accum_never_sync": ("04.2", ("model.set_requires_gradient_sync(k == K - 1)",
                                       "model.set_requires_gradient_sync(False)")),
+        # the sync on the first micro-batch, not the last: as many reduce-scatters, but the
+        # step takes the first micro-batch's gradients alone
+        "accum_sync_first": ("04.2", ("model.set_requires_gradient_sync(k == K - 1)",
+                                      "model.set_requires_gradient_sync(k == 0)")),
+        # divided by N as well, as by hand in DDP: FSDP's reduce-scatter already averages
+        "accum_over_n": ("04.2", (".loss / K", "loss = model(input_ids=micro[k], "
+                                               "labels=micro[k]).loss / (K * env.world_size)")),
+        # rank 0's full state dict loaded without saying it is whole and on rank 0 only
+        "meta_not_broadcast": ("04.1", [
+            ("set_model_state_dict(model, full_sd, options=StateDictOptions(",
+             "set_model_state_dict(model, full_sd, options=StateDictOptions())"),
+            ("broadcast_from_rank0=True))", None)]),
     }, tmp_path_factory.mktemp("ch04_ex3"), nprocs="largest")
 
 
@@ -102,6 +114,26 @@ def test_at_3_ranks_solutions_pass_and_wrong_answers_are_named(at_3):
     assert lines[-1] == ("FAIL [3 ranks] sync on the last only: [0] reduce-scatters per step, "
                          "expected 3 (3 FSDP units, once per step): is the sync on again for "
                          "the last micro-batch?")
+    ok, lines, _ = at_3["accum_sync_first"]
+    assert not ok
+    assert "PASS [3 ranks] sync on the last only: 3 reduce-scatters per step (3 FSDP units)" \
+        in lines
+    assert lines[-1].startswith("FAIL [3 ranks] sync on the last only: losses differ from one "
+                                "process's on the global batch at step 2 by ")
+    assert lines[-1].endswith(", after a first step that matched: the gradients of a step were "
+                              "not those of the whole batch: is the one backward that syncs the "
+                              "last one?")
+    ok, lines, _ = at_3["accum_over_n"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [3 ranks] sync every micro-batch: losses differ from one "
+                                "process's on the global batch at step 1 by ")
+    assert lines[-1].endswith(": 0.33x: is the loss divided by more than K? (FSDP's "
+                              "reduce-scatter already averages over the ranks)")
+    ok, lines, _ = at_3["meta_not_broadcast"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [3 ranks] the launch failed: RuntimeError: ")
+    assert lines[-1].endswith(": full_sd holds whole tensors, and only on rank 0: load it "
+                              "with set_model_state_dict, its StateDictOptions saying both")
 
 
 # --- exercise 1: meta-device init, solution ---------------------------------------------------

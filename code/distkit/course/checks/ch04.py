@@ -1,11 +1,18 @@
 """Exercise checks for chapter 04 (FSDP2); see distkit/course/checks/__init__.py."""
-from distkit.course.exercise import exercise
+from distkit.course.exercise import Fail, exercise
 from distkit.course.checks import losses_match
 
 
 @exercise("04.1", "ch04_fsdp2/exercises/ex04_meta_init.py")
 def meta_init(run):
-    res = run("--steps", "3")  # .to() for to_empty(): torch's own error names the fix
+    try:  # .to() for to_empty(): torch's own error names the fix
+        res = run("--steps", "3")
+    except Fail as fail:  # torch's errors for a full state dict loaded as if it were sharded
+        loading = ("state_dict is empty", "Error(s) in loading state_dict")
+        hint = (": full_sd holds whole tensors, and only on rank 0: load it with "
+                "set_model_state_dict, its StateDictOptions saying both"
+                if any(s in str(fail) for s in loading) else "")
+        raise Fail(f"{fail}{hint}") from None
     N = run.nproc
     names = ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
     exact = res["inv_freq_exact"]
@@ -35,7 +42,16 @@ def grad_accum(run):
         yield (got == {want}, f"{label}: {want} reduce-scatters per step ({units} FSDP units)",
                f"{label}: {sorted(got)} reduce-scatters per step, expected {want} "
                f"({units} FSDP units{', once per step' if mode == 'last' else ''}){hint}")
-        yield losses_match(r["losses"], res["single_losses"], res["tolerance"],
-                           "one process's on the global batch", label=f"{label}: ",
-                           scaled="is each micro-batch's loss divided by K?",
-                           later="the gradients of a step were not those of the whole batch")
+        ok, passed, failed = losses_match(
+            r["losses"], res["single_losses"], res["tolerance"],
+            "one process's on the global batch", label=f"{label}: ",
+            scaled="is each micro-batch's loss divided by K?",
+            later="the gradients of a step were not those of the whole batch"
+            + ("" if mode == "every" else ": is the one backward that syncs the last one?"))
+        # a loss 1/n of one process's: divided by more than K (by N too, as by hand in DDP?)
+        first = r["losses"][0] / res["single_losses"][0]
+        times = round(1 / first) if not ok and first else 0
+        if times > 1 and abs(1 / first - times) < 1e-3 * times:
+            failed += (f": {first:.2f}x: is the loss divided by more than K? (FSDP's "
+                       "reduce-scatter already averages over the ranks)")
+        yield ok, passed, failed
