@@ -98,6 +98,13 @@ def tex_to_mathml(tex: str, display: bool) -> str:
     return mathml
 
 
+def github_slug(heading_html: str) -> str:
+    """GitHub's anchor for a heading: its text in lower case, without punctuation but - and _,
+    spaces as -."""
+    text = html.unescape(re.sub(r"<[^>]+>", "", heading_html)).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
 @dataclass
 class Formula:
     source: str  # the repository file it is in
@@ -121,6 +128,16 @@ class MathRenderer(IPythonRenderer):
         except MathError as e:  # shown as code, never as raw $-text; the tests list these
             formula.error = str(e)
             return f'<code class="tex">{html.escape(formula.tex)}</code>'
+
+    def heading(self, text: str, level: int, **attrs) -> str:
+        """nbconvert's heading, with its id (JupyterLab's: "(b)-FSDP-options-..."), and an
+        anchor with GitHub's id for it ("b-fsdp-options-..."): the docs' links are written for
+        GitHub (tests/test_docs_links.py), and must work on the site too."""
+        out = super().heading(text, level, **attrs)
+        slug = github_slug(text)
+        if slug and f'id="{slug}"' not in out:
+            out = re.sub(r"\A(<h\d[^>]*>)", rf'\1<a id="{slug}"></a>', out)
+        return out
 
     def block_math(self, body: str) -> str:
         return self._math(body, True)
