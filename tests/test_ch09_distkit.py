@@ -116,6 +116,16 @@ def test_capacity_dropped_and_the_auxiliary_loss(mixtral_block):
     assert abs(moe.load_balancing_loss(concentrated, 2).item() - 6) < 1e-3
 
 
+def test_topk_margin_is_the_routers_closest_call():
+    """The smallest gap between a token's k-th and (k+1)-th logit: a tie gives 0 (the routing,
+    and every count printed from it, could differ on another CPU); k = E has no (k+1)-th."""
+    logits = torch.tensor([[0.3, 0.1, 0.2, -1.0], [2.0, 1.0, 1.5, 0.0]])
+    assert moe.topk_margin(logits, 2) == pytest.approx(0.1)  # token 0: 0.2 vs 0.1
+    assert moe.topk_margin(logits, 1) == pytest.approx(0.1)  # token 0: 0.3 vs 0.2
+    tied = torch.cat([logits, torch.tensor([[0.5, 0.4, 0.4, 0.0]])])
+    assert moe.topk_margin(tied, 2) == 0.0 and moe.topk_margin(tied, 4) == math.inf
+
+
 # --- distkit.cpep -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", list(cpep.MOE_CONFIGS))

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from distkit import seed_everything, write_json
 from distkit.cpep import moe_params
-from distkit.moe import capacity, dropped, expert_load, load_balancing_loss, moe, route
+from distkit.moe import capacity, dropped, expert_load, load_balancing_loss, moe, route, \
+    topk_margin
 from distkit.toy import counting_data
 
 # Float32: the hand-written layer adds the experts' outputs in another order than transformers'
@@ -27,6 +28,10 @@ from distkit.toy import counting_data
 # experts implementations gave the same loss (difference 0.0). Bounds about 10x above.
 TOL = 1e-5
 FACTORS = (1.0, 1.25, 1.5, 2.0)
+# The counts below (loads, drops) are portable only if no token sits near a tie between its k-th
+# and (k+1)-th expert: rounding moves logits of ~0.3-3 by ~1e-7 from one CPU kind to another.
+# Measured closest calls: 1.6e-3 (this router), 1.2e-4 (the skewed one). Required: 1e-5.
+MARGIN = 1e-5
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--experts", type=int, default=4, help="experts per layer (E)")
@@ -79,6 +84,9 @@ print(f"2. the router on {x.shape[0]} tokens: logits {tuple(logits.shape)}; toke
       f"{bool(torch.allclose(weights.sum(-1), torch.ones(x.shape[0])))}")
 print(f"   (token, expert) pairs per expert: {load} (of {x.shape[0] * k}; even: "
       f"{x.shape[0] * k // E} each)")
+seen["router_margin"] = topk_margin(logits, k)
+print(f"   no near-tie: each token's choices no. {k} and {k + 1} differ by >= {MARGIN:.0e} in "
+      f"logit (these counts are the same on any CPU): {seen['router_margin'] >= MARGIN}")
 
 with torch.no_grad():
     by_hand = moe(x, block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj, k)
@@ -127,7 +135,8 @@ skew = torch.zeros(E)
 skew[0] = 3.0  # a router that favours expert 0: +3 on its logit
 skewed = logits + skew
 seen["skewed"] = {"load": expert_load(torch.topk(skewed, k, dim=-1)[1], E),
-                  "aux_loss": load_balancing_loss(skewed, k).item()}
+                  "aux_loss": load_balancing_loss(skewed, k).item(),
+                  "router_margin": topk_margin(skewed, k)}
 print(f"7. load-balancing loss (Switch Transformer's, x E): {ours:.2f}; transformers' "
       f"load_balancing_loss_func the same: {abs(ours - theirs_aux) < 1e-6}; even picks with "
       f"even probabilities give {k} (the top-k). A router favouring expert 0 (+3 on its "

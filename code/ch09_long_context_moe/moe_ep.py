@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from distkit import print0, print_ranks, seed_everything, setup, teardown, write_json
 from distkit.comm import CollectiveLog
-from distkit.moe import ExpertParallel, expert_load
+from distkit.moe import ExpertParallel, expert_load, topk_margin
 from distkit.toy import counting_data
 
 # Float32 (F.grouped_mm refuses float64 on a CPU). The EP path adds the same products in another
@@ -32,6 +32,10 @@ from distkit.toy import counting_data
 # 20x and 30x above; an unweighted combine or a row sent back to the wrong token is off by 1e-2
 # or more.
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-6
+# The loads and rows printed are portable only if no token sits near a tie between its k-th and
+# (k+1)-th expert (rounding moves logits of ~0.3 by ~1e-7 between CPU kinds). Measured closest
+# call at the defaults: 1.6e-3. Required: 1e-5.
+MARGIN = 1e-5
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--experts", type=int, default=4, help="experts per layer (E)")
@@ -90,9 +94,9 @@ for layer in model.model.layers:
     layers.append((layer, ep))
 
 with CollectiveLog() as log:
-    # router choices are recorded from each layer's gate (transformers' MixtralTopKRouter)
+    # each layer's router logits and choices, from its gate (transformers' MixtralTopKRouter)
     picks = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: picks.append(o[2]))
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: picks.append(o[::2]))
              for layer, _ in layers]
     loss = model(input_ids=mine, labels=mine).loss  # the mean over this rank's tokens
     loss.backward()
@@ -121,10 +125,12 @@ parity = loss_diff < LOSS_TOL and worst.item() < GRAD_TOL
 
 # Per layer: the load of each expert over all ranks, and the rows this rank sent to each rank
 loads = []
-for layer_picks in picks:
+for _, layer_picks in picks:
     load = torch.tensor(expert_load(layer_picks, E), device=env.device)
     dist.all_reduce(load)
     loads.append(load.tolist())
+margin = torch.tensor(min(topk_margin(logits, k) for logits, _ in picks), device=env.device)
+dist.all_reduce(margin, op=dist.ReduceOp.MIN)  # the closest call of any rank, any layer
 sent = [ep.stats["send_sizes"] for _, ep in layers]
 row = H * 4  # one hidden state in float32
 # What torch dispatched, per layer: the counts (int64), then this rank's T x k rows to the
@@ -141,6 +147,8 @@ print0(f"loss (mean over the ranks) vs one process: |difference| < {LOSS_TOL:.0e
 for i, load in enumerate(loads):
     print0(f"layer {i}: (token, expert) pairs per expert {load} (of {N * T * k}; "
            f"even would be {N * T * k // E} each)")
+print0(f"no near-tie: each token's choices no. {k} and {k + 1} differ by >= {MARGIN:.0e} in "
+       f"logit (these counts are the same on any CPU): {margin.item() >= MARGIN}")
 print_ranks("rows sent to rank 0, 1, ... per layer: "
             + "; ".join(str(s) for s in sent)
             + f" ({T * k} pairs; to other ranks: "
@@ -156,6 +164,7 @@ write_json(args.json, {
     "world_size": N, "experts": E, "top_k": k, "hidden": H, "tokens_per_rank": T,
     "loss": total.item() / N, "reference_loss": ref_loss.item(), "loss_diff": loss_diff,
     "max_grad_diff": worst.item(), "parity": parity, "loads": loads,
+    "router_margin": margin.item(),
     "sent": sent, "received": received, "collectives": calls,
     "collectives_expected": calls_ok,
     "local_shapes": {"gate_up_proj": list(layers[0][0].mlp.experts.gate_up_proj.shape),

@@ -4,7 +4,8 @@
 
 `context_parallel(mesh, buffers=..., buffer_seq_dims=...)` (torch.distributed.tensor.experimental,
 a prototype API in torch 2.13) does two things for the length of its `with` block: it shards the
-buffers along their sequence dimension in place, in head-tail order for causal attention, and it
+buffers along their sequence dimension in place, in head-tail order (its default load balancing,
+meant for causal attention; contiguous chunks if the length does not divide by 2N), and it
 replaces F.scaled_dot_product_attention by a wrapper that turns q, k, v into DTensors sharded
 on the tokens. DTensor then sends SDPA's CUDA kernels (flash, memory-efficient and cuDNN
 attention, forward and backward) to ring versions of them. This script shows the patch and the

@@ -19,8 +19,9 @@ Here, as in transformers' Mixtral (models/mixtral/modeling_mixtral.py, transform
   The same steps as transformers' AllToAllEP (transformers/distributed/expert_parallel.py) and
   torchtitan's expert-parallel MoE.
 And the bookkeeping of an MoE: `expert_load`, `capacity` and `dropped` (a capacity factor caps
-each expert's rows; GShard, Switch Transformer) and `load_balancing_loss` (Switch Transformer's
-auxiliary loss, as transformers computes it).
+each expert's rows; GShard, Switch Transformer), `load_balancing_loss` (Switch Transformer's
+auxiliary loss, as transformers computes it) and `topk_margin` (how close the router came to
+picking another expert: whether its counts are the same on every machine).
 
 F.grouped_mm on a CPU (torch 2.13) takes float32 or bfloat16, not float64; and its backward
 refuses an incoming gradient with zero strides, such as `.sum()` produces (use a real loss).
@@ -48,9 +49,10 @@ def grouped_experts(x, counts, gate_up, down):
     """SwiGLU experts on rows grouped by expert: rows 0 .. counts[0]-1 go to expert 0, the next
     counts[1] to expert 1, ... (a count may be 0). gate_up (E, 2I, H), down (E, H, I), laid out
     as transformers' MixtralExperts stores them (each a linear layer's weight: out x in)."""
-    if x.is_cuda and x.dtype != torch.bfloat16:  # CUDA's grouped GEMM takes bf16 only (the
-        # checks of _grouped_mm_cuda, torch/_meta_registrations.py, torch 2.13): one matmul
-        # per expert instead
+    if x.is_cuda and x.dtype != torch.bfloat16:  # torch's fused grouped kernel is bf16 only
+        # (compute capability 9.x/10.x); other dtypes take its fallback, a loop of matmuls like
+        # this one (GroupedBlas.cpp, _grouped_mm_cuda), and its meta check, which fake tensors
+        # and torch.compile use, refuses them (torch/_meta_registrations.py): loop here
         out, start = [], 0
         for e, rows in enumerate(counts.tolist()):
             gate, up = (x[start:start + rows] @ gate_up[e].T).chunk(2, dim=-1)
@@ -151,11 +153,22 @@ def dropped(load: list[int], cap: int) -> int:
     return sum(max(0, n - cap) for n in load)
 
 
+def topk_margin(logits, top_k: int) -> float:
+    """The router's closest call: the smallest gap, over the tokens, between a token's k-th and
+    (k+1)-th largest logit (softmax keeps their order). Rounding (~1e-7 of the logits) differs
+    between CPUs and kernels; counts of a routing are the same everywhere only when this gap is
+    far above it."""
+    if top_k >= logits.shape[-1]:
+        return math.inf
+    top = torch.topk(logits.float(), top_k + 1, dim=-1).values
+    return (top[..., top_k - 1] - top[..., top_k]).min().item()
+
+
 def load_balancing_loss(logits, top_k: int):
     """Switch Transformer's auxiliary loss (eq. 4-6) as transformers computes it
-    (load_balancing_loss_func in modeling_mixtral.py): E x sum over experts of (fraction of the
-    (token, slot) picks it got) x (its mean router probability). A uniform router that spreads
-    the picks evenly gives top_k; concentrating on few experts raises it."""
+    (load_balancing_loss_func in modeling_mixtral.py): E x sum over experts of (the fraction of
+    the tokens that picked it: these sum to top_k) x (its mean router probability). A uniform
+    router that spreads the picks evenly gives top_k; concentrating on few experts raises it."""
     probs = torch.softmax(logits.float(), dim=-1)
     _, picked = torch.topk(probs, top_k, dim=-1)
     num_experts = logits.shape[-1]
