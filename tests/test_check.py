@@ -23,12 +23,30 @@ GIB = 2 ** 30
 
 
 def test_python_version():
-    assert check.check_python((3, 11)).status == "PASS"
-    for version in [(3, 9), (3, 13)]:
+    for version in [(3, 11, 5), (3, 11, 7), (3, 12, 0), (3, 12, 12)]:
+        assert check.check_python(version).status == "PASS"
+    for version in [(3, 9, 6), (3, 10, 12), (3, 11, 2), (3, 13, 0)]:
         result = check.check_python(version)
         assert result.status == "FAIL" and "make PYTHON=python3.11 setup" in result.fix
-        assert str(result).startswith(f"FAIL  python       {version[0]}.{version[1]}, the course "
-                                      "needs 3.10-3.12")
+        assert str(result).startswith("FAIL  python       {}.{}.{}, the course needs "
+                                      "3.11.5-3.12".format(*version))
+
+
+def test_the_python_range_is_what_the_pins_allow():
+    """Every pinned package installs on the range's lowest and highest Python, read from the
+    installed packages' Requires-Python (3.10 was allowed while transformers 5.23 needs 3.11,
+    and any 3.11 while soupsieve 4.1.2 needs 3.11.5)."""
+    import importlib.metadata
+    from packaging.specifiers import SpecifierSet
+    lowest, highest = (".".join(map(str, v + (0,) * (3 - len(v)))) for v in check.PYTHONS)
+    for python in (lowest, highest):
+        refused = {}
+        for dist in check.pins():
+            requires = importlib.metadata.metadata(dist).get("Requires-Python")
+            if requires and not SpecifierSet(requires).contains(python):
+                refused[dist] = requires
+        assert not refused, f"Python {python} cannot install these pins: {refused}"
+    assert check.PYTHONS[0] <= (3, 11, 7) and (3, 11) <= check.PYTHONS[1]  # the tested one
 
 
 def test_pins_are_read_from_requirements():

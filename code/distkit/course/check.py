@@ -29,7 +29,11 @@ from pathlib import Path
 
 CODE = Path(__file__).resolve().parents[2]
 ROOT = CODE.parent
-PYTHONS = ((3, 10), (3, 12))  # as the Makefile's check_python: tested with 3.11
+# The lowest and highest Python (tested: 3.11.7). What the pins allow, from their metadata's
+# Requires-Python: transformers 5.23, numpy 2.4 and ipython 9 need 3.11, soupsieve 4.1.2
+# (beautifulsoup4's) 3.11.5, so not Debian 12's 3.11.2 or Ubuntu 22.04's python3.11 (3.11.0).
+# The Makefile's check_python, before the venv is made, should say the same.
+PYTHONS = ((3, 11, 5), (3, 12))
 # import name -> distribution name in requirements.txt
 PACKAGES = {"torch": "torch", "transformers": "transformers", "jupyterlab": "jupyterlab",
             "nbval": "nbval", "papermill": "papermill", "matplotlib": "matplotlib"}
@@ -61,13 +65,14 @@ def pins(requirements: Path = ROOT / "requirements.txt") -> dict[str, str]:
     return {name.lower(): version for name, version in found}
 
 
-def check_python(version: tuple = tuple(sys.version_info[:2])) -> Result:
+def check_python(version: tuple = tuple(sys.version_info[:3])) -> Result:
     shown = ".".join(map(str, version))
-    span = "{}.{}-{}.{}".format(*PYTHONS[0], *PYTHONS[1])
-    if PYTHONS[0] <= tuple(version) <= PYTHONS[1]:
+    span = "-".join(".".join(map(str, v)) for v in PYTHONS)
+    if PYTHONS[0] <= tuple(version) and tuple(version)[:2] <= PYTHONS[1]:
         return Result("PASS", "python", f"{shown} (the course needs {span})")
     return Result("FAIL", "python", f"{shown}, the course needs {span} (tested: 3.11)",
-                  "install one and run e.g. `make PYTHON=python3.11 setup`")
+                  "install one (python.org, pyenv or `uv python install 3.12`; a Linux "
+                  "distribution's may be older) and run e.g. `make PYTHON=python3.11 setup`")
 
 
 def check_package(module: str, dist: str, pinned: dict[str, str]) -> Result:
