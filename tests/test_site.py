@@ -303,7 +303,7 @@ def test_exercise_files_are_pages_with_highlighted_code(built):
 
 # Every page's checks, in the page: math typeset (a MathML element with a height), none with an
 # alignment & as a symbol or a backslash in its text, none wider than its column (cut off, or a
-# scroll bar); pictures loaded.
+# scroll bar); no output line cut at its column (they wrap, as in JupyterLab); pictures loaded.
 PAGE_CHECKS = r"""(() => {
   const maths = [...document.querySelectorAll("math")];
   const prose = document.body.cloneNode(true);
@@ -319,6 +319,9 @@ PAGE_CHECKS = r"""(() => {
     cut_off: maths.filter(m => m.getAttribute("display") === "block"
                                && m.scrollWidth > m.clientWidth + 1)
                   .map(m => m.textContent.slice(0, 60)),
+    outputs_cut: [...document.querySelectorAll(".output_area pre")]
+                 .filter(p => p.scrollWidth > p.clientWidth + 1)
+                 .map(p => p.textContent.slice(0, 60)),
     raw_dollars: prose.textContent.includes("$$"),
     images: document.images.length,
     broken: [...document.images].filter(i => !(i.complete && i.naturalWidth > 0))
@@ -384,6 +387,7 @@ def test_browser_shows_typeset_math_one_block_outputs_and_every_picture(built, t
         if name.endswith(".html"):
             assert not result["garbled"], f"{name}: math with a literal & or \\\\: {result}"
             assert not result["cut_off"], f"{name}: math wider than its column: {result}"
+            assert not result["outputs_cut"], f"{name}: output lines cut at the column: {result}"
             assert not result["broken"], f"{name}: pictures that did not load: {result}"
     rows, rect, line, size = results["formula"]
     assert rows == 4 and rect["height"] > 3 * line, \
