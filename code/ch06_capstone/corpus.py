@@ -245,7 +245,7 @@ def cache_folder(data_dir, vocab_size: int, tokenizer=None, paths=None,
 def write_tokens(path: Path, stream, eos: int, dtype, tokenizer, progress=None) -> dict:
     """Tokenize (document, piece) pairs in batches and append the ids to `path`, an EOS after
     each document; returns counts. Memory: one batch of pieces and its ids."""
-    counts = {"tokens": 0, "characters": 0, "documents": 0}
+    counts = {"tokens": 0, "characters": 0, "last_document": -1}
     last_doc = None
     with open(path, "wb") as f:
         def flush(batch):
@@ -255,8 +255,7 @@ def write_tokens(path: Path, stream, eos: int, dtype, tokenizer, progress=None) 
                 nonlocal last_doc
                 if last_doc is not None and d != last_doc:
                     out.append(eos)  # the document before this piece has ended
-                counts["documents"] += d != last_doc
-                last_doc = d
+                counts["last_document"] = last_doc = d
                 out.extend(piece_ids)
                 counts["characters"] += len(piece)
                 if progress is not None:
@@ -312,7 +311,7 @@ def prepare(data_dir: str | os.PathLike, vocab_size: int, seq_len: int | None = 
     index = {"format": FORMAT, "dtype": np.dtype(dtype).name, "vocab_size": len(tokenizer),
              "eos_id": eos, "tokenizer_sha256": tok_hash, "hold_out": f"every {HOLD_OUT}th "
              f"record whole, or piece of ~{PIECE} characters of a text file, before the BPE "
-             "was trained", "documents": train["documents"] + held["documents"],
+             "was trained", "documents": max(train["last_document"], held["last_document"]) + 1,
              "characters": train["characters"] + held["characters"],
              "train_tokens": train["tokens"], "heldout_tokens": held["tokens"],
              "text": sorted(map(str, paths))[:20] if paths else "pydoc_data.topics"}
