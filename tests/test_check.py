@@ -177,7 +177,7 @@ def test_torch_wheels_picks_the_cpu_index_on_linux_without_a_gpu():
     cpu = torch_wheels.CPU_INDEX
     assert torch_wheels.choose("auto", "Linux", no, up)[0] == cpu
     assert torch_wheels.choose("auto", "Linux", yes, up)[0] == ""  # an NVIDIA GPU: PyPI's CUDA
-    assert torch_wheels.choose("auto", "Darwin", no, up)[0] == ""  # macOS: PyPI's build
+    assert torch_wheels.choose("auto", "Darwin", no, up, machine="arm64")[0] == ""  # PyPI's
     assert torch_wheels.choose("cpu", "Darwin", yes, up)[0] == cpu
     assert torch_wheels.choose("pypi", "Linux", no, up)[0] == ""
     url = "https://download.pytorch.org/whl/cu128"
@@ -186,6 +186,9 @@ def test_torch_wheels_picks_the_cpu_index_on_linux_without_a_gpu():
     assert url == "" and why.startswith("WARN") and "cannot be reached" in why
     with pytest.raises(ValueError, match="give auto, cpu, pypi or an index's URL"):
         torch_wheels.choose("cuda", "Linux", no, up)
+    # an Intel Mac (or an Intel Python under Rosetta) has no torch since 2.3: set-up says so
+    with pytest.raises(ValueError, match="no builds for macOS on Intel since 2.3"):
+        torch_wheels.choose("auto", "Darwin", no, up, machine="x86_64")
 
 
 class Index(http.server.SimpleHTTPRequestHandler):

@@ -6,7 +6,8 @@ that a laptop without an NVIDIA GPU never uses. So on Linux without one, set-up 
 wheel index, whose `torch==2.13.0+cpu` pip prefers to PyPI's `2.13.0` (a local version sorts
 after its release): one 192 MB wheel (the course's venv with it: 1.5 GB). macOS (PyPI's build
 is the CPU/MPS one) and machines with an NVIDIA GPU (PyPI's CUDA build is the one they need)
-keep pip's usual sources.
+keep pip's usual sources. macOS on Intel has no torch 2.13 at all (none since 2.3): set-up says
+so and stops, before pip fails with "no matching distribution".
 
 The index is tried first (at most PROBE_S seconds): where it cannot be reached (an offline
 mirror, a firewall), set-up goes on with pip's other sources and says so, instead of pip retrying
@@ -57,12 +58,18 @@ def reachable(url: str, timeout: float = PROBE_S) -> bool:
 
 
 def choose(setting: str = "auto", system: str | None = None, nvidia=has_nvidia_gpu,
-           probe=reachable) -> tuple[str, str]:
-    """(the index to add, "" for none; the line that says why)."""
+           probe=reachable, machine: str | None = None) -> tuple[str, str]:
+    """(the index to add, "" for none; the line that says why). ValueError: no torch to take."""
     system = system or platform.system()
+    machine = machine or platform.machine()
     if setting == "pypi":
         return "", "torch from pip's usual sources (TORCH_INDEX=pypi)"
     if setting == "auto":
+        if system == "Darwin" and machine == "x86_64":  # pip would say "no matching distribution"
+            raise ValueError("torch has no builds for macOS on Intel since 2.3 (pytorch/pytorch"
+                             "#114602; the course pins 2.13): use the container "
+                             "(.devcontainer/, docs/workshop.md) or another machine; on an "
+                             "Apple silicon Mac, use an arm64 Python, not an Intel one")
         if system != "Linux":
             return "", f"torch from pip's usual sources ({system}: PyPI's build has no CUDA)"
         if nvidia():
