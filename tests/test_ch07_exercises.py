@@ -4,7 +4,7 @@ the ranks' means is named, and so is the bug itself, each rank deciding on its o
 ranks part and wait in collectives the others never call, until the process group's timeout);
 arguments and bad input.
 
-Budget of `make test`: the checker's 2-rank launches of the solution and of both wrong answers,
+Budget of `make test`: the checker's 2-rank launches of the solution and of three wrong answers,
 side by side (~5 CPU-s each: no transformers). The hang ends at the checker's --timeout 15: rank
 0 leaves the loop at step 20 and waits in all_gather_object, rank 1 waits in step 21's gradient
 all_reduce, both fail with gloo's "Timed out waiting 15000ms" (about 20 s of wall time, little
@@ -31,6 +31,8 @@ def checks(tmp_path_factory):
         "mean_of_means": ("07.1", ("dist.all_reduce(total)",
                                    "total = sums.new_tensor([mean(sums), 1.0]); "
                                    "dist.all_reduce(total)")),
+        # sums and counts all-reduced, then the mean divided by N once more (as for a gradient)
+        "over_n": ("07.1", ("loss = mean(total)", "loss = mean(total) / env.world_size")),
     }, tmp_path_factory.mktemp("ch07_ex"))
 
 
@@ -69,6 +71,17 @@ def test_a_mean_of_means_is_named_at_2_ranks(checks):
     assert lines[-1].startswith("FAIL [2 ranks] the validation loss differs from one process's "
                                 "by ")
     assert lines[-1].endswith("(tolerance 1e-06): a mean of the ranks' means?")
+
+
+def test_a_mean_divided_by_n_once_more_is_named(checks):
+    """Every rank stops alike on the same number, half of one process's: not a mean of means."""
+    ok, lines, _ = checks["over_n"]
+    assert not ok
+    assert "PASS [2 ranks] the ranks' validation losses are identical" in lines
+    assert lines[-1].startswith("FAIL [2 ranks] the validation loss differs from one process's "
+                                "by ")
+    assert lines[-1].endswith("(tolerance 1e-06): 0.50x: is the all-reduced mean divided by N "
+                              "once more?")
 
 
 @pytest.mark.second_nproc

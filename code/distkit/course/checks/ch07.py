@@ -16,8 +16,17 @@ def early_stop(run):
     yield (res["same_loss"], "the ranks' validation losses are identical",
            "the ranks compared different validation losses with --target")
     gap, tol = res["max_diff_one_process"], res["tolerance"]
+    # a whole multiple of one process's loss: a count too large or too small by a factor; any
+    # other gap: the ranks weighed alike (501 and 500 samples)
+    first = res["histories"][0][0]
+    scale = first["loss"] / first["one_process"]
+    times = round(max(scale, 1 / scale)) if scale > 0 else 0
+    why = "a mean of the ranks' means?"
+    if times > 1 and abs(max(scale, 1 / scale) - times) < 1e-3 * times:
+        why = (f"{scale:.2f}x: " + ("is the all-reduced mean divided by N once more?" if scale < 1
+                                    else "is the all-reduced sum divided by one rank's count?"))
     yield (gap < tol, f"the validation loss = one process's on the whole set (< {tol:g})",
            f"the validation loss differs from one process's by {gap:.1e} (tolerance {tol:g}): "
-           "a mean of the ranks' means?")
+           + why)
     yield (res["same_weights"], "weights identical on every rank",
            "the ranks' weights differ at the end")
