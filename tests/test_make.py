@@ -26,8 +26,9 @@ def fake_program(path, text):
     return path
 
 
-@pytest.mark.parametrize("version, ok", [("3.9", False), ("3.10", True), ("3.11", True),
-                                         ("3.12", True), ("3.13", False)])
+@pytest.mark.parametrize("version, ok", [("3.9.18", False), ("3.10.12", False),
+                                         ("3.11.2", False), ("3.11.5", True), ("3.11.13", True),
+                                         ("3.12.3", True), ("3.13.0", False)])
 def test_check_python_version(tmp_path, version, ok):
     python = fake_program(tmp_path / "python", f"echo {version}")
     proc = make("check-python", f"PYTHON={python}")
@@ -35,7 +36,8 @@ def test_check_python_version(tmp_path, version, ok):
     if not ok:
         first = proc.stderr.splitlines()[0]
         assert f"{python} is Python {version}" in first
-        assert "needs Python 3.10-3.12" in first and "make PYTHON=python3.11" in first
+        assert "needs Python 3.11.5 or later, or 3.12" in first
+        assert "make PYTHON=python3.12" in first
 
 
 def test_check_python_missing_interpreter():
@@ -44,11 +46,11 @@ def test_check_python_missing_interpreter():
 
 
 def test_setup_checks_python_before_making_the_venv(tmp_path):
-    python = fake_program(tmp_path / "python", "echo 3.13")
+    python = fake_program(tmp_path / "python", "echo 3.13.0")
     venv = tmp_path / "venv"
     proc = make("setup", f"VENV={venv}", f"PYTHON={python}")
     assert proc.returncode != 0
-    assert "run e.g. make PYTHON=python3.11 setup" in proc.stderr
+    assert "run e.g. make PYTHON=python3.12 setup" in proc.stderr
     assert not venv.exists()
 
 
