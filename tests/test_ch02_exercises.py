@@ -32,6 +32,10 @@ def checks(tmp_path_factory):
         "gpipe": ("02.1", None),
         # the received activation does not require grad: no input gradient to send back
         "gpipe_no_input_grad": ("02.1", ("x.requires_grad_()", None)),
+        # the output gradient received from the previous stage, not the next: every stage
+        # waits (gloo's timeout: 60 s of wall time, little CPU)
+        "gpipe_wrong_peer": ("02.1", ("dist.recv(grad, src=env.rank + 1)",
+                                      "dist.recv(grad, src=env.rank - 1)")),
         "megatron": ("02.2", None),
         "megatron_no_f": ("02.2", ("return all_reduce(grad.clone())", "return grad")),
         # f's forward all-reduces too: the input N times over
@@ -70,6 +74,17 @@ def test_gpipe_without_an_input_gradient_is_named(checks):
     assert lines[-1].startswith("FAIL [3 ranks] the launch failed: ")
     assert lines[-1].endswith(": a stage's input gradient is None: does the received "
                               "activation require grad?")
+
+
+@pytest.mark.second_nproc
+def test_gpipe_receiving_from_the_wrong_stage_is_named(checks):
+    ok, lines, _ = checks["gpipe_wrong_peer"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [3 ranks] the launch failed: RuntimeError: ")
+    assert "Timed out waiting" in lines[-1]
+    assert lines[-1].endswith(": a stage waited for a tensor no stage sent: does each recv name "
+                              "the stage that sends it (activations come from rank - 1, "
+                              "gradients from rank + 1)?")
 
 
 @pytest.mark.second_nproc

@@ -149,6 +149,18 @@ def test_a_launch_error_names_its_line():
         "NameError: name 'undefined' is not defined"
 
 
+def test_a_launch_error_is_the_cause_not_a_rank_that_saw_another_leave():
+    """Whichever rank's output comes first: the rank that failed (or timed out) is named, not the
+    one that found its peer gone."""
+    gone = "[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    for cause in ("[rank1]: NameError: name 'undefined' is not defined",
+                  "[rank1]: RuntimeError: [../unbound_buffer.cc:78] Timed out waiting 60000ms "
+                  "for recv operation to complete"):
+        out = "\n".join([gone, cause, "E1127 torch.distributed.elastic: failed (exitcode: 1)"])
+        assert ex._launch_error(out) == cause.removeprefix("[rank1]: ")
+    assert ex._launch_error(gone) == gone.removeprefix("[rank0]: ")  # nothing else to say
+
+
 # --- a GPU node with fewer GPUs than ranks: the CPU, and a line that says so -------------------
 
 def test_fewer_gpus_than_ranks_checks_on_the_cpu(tmp_path, monkeypatch):

@@ -246,13 +246,20 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+# What a rank reports when another rank left first (crashed, or timed out and exited): the
+# consequence, not the cause, whichever rank's output comes first.
+PEER_GONE = re.compile(r"Connection (closed|reset) by peer")
+
+
 def _launch_error(out: str, script: Path | None = None) -> str:
-    """The line that says why a launch failed: a rank's exception or todo() line, else the
-    launcher's own report, else the last line. An exception raised in `script` (the file being
-    checked) gets its line: '... (at FILE:LINE)'."""
+    """The line that says why a launch failed: a rank's exception or todo() line (a rank's own
+    error before another's report that it left), else the launcher's own report, else the last
+    line. An exception raised in `script` (the file being checked) gets its line:
+    '... (at FILE:LINE)'."""
     lines = [re.sub(r"^\[rank\d+\]: ", "", ln) for ln in out.splitlines() if ln.strip()]
     for pattern in (r"^TODO\(you\) at ", r"^[\w.]*(Error|Exception)\b.*", r"^run_w_torchrun\.sh: "):
         hits = [(i, ln) for i, ln in enumerate(lines) if re.match(pattern, ln)]
+        hits = [h for h in hits if not PEER_GONE.search(h[1])] or hits
         if hits:
             i, line = hits[0]
             where = None

@@ -14,7 +14,10 @@ def gpipe(run):
         res = run(*args)
     except Fail as fail:  # a received activation that does not require grad: no grad to send
         hint = (": a stage's input gradient is None: does the received activation require grad?"
-                if "`tensor` of type torch.Tensor" in str(fail) else "")  # c10d's own check
+                if "`tensor` of type torch.Tensor" in str(fail) else  # c10d's own check
+                ": a stage waited for a tensor no stage sent: does each recv name the stage that "
+                "sends it (activations come from rank - 1, gradients from rank + 1)?"
+                if "Timed out" in str(fail) else "")  # gloo's timeout, 60 s
         raise Fail(f"{fail}{hint}") from None
     yield losses_match(res["losses"], single, 1e-4, "naive_split.py's on one process",
                        scaled="is each micro-batch's loss divided by m?")
