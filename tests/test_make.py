@@ -116,4 +116,5 @@ def test_ci_workflow_runs_make_test_on_python_3_11():
 
 def test_ci_script_runs_the_readme_commands():
     lines = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert [ln for ln in lines if ln.startswith("make")] == ["make lint", "make test", "make test-nproc"]
+    assert [ln for ln in lines if ln.startswith("make")] == [
+        "make lint", "make test", "make test-nproc"]
