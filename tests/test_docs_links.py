@@ -1,6 +1,9 @@
 """Every relative link in the README, CONTRIBUTING.md, docs/ and the notebooks' markdown leads
 somewhere: a file or folder of the repository, and for a `#anchor` into a markdown page, one of
-its headings or anchors (the glossary's `<a id="term">`)."""
+its headings or anchors (the glossary's `<a id="term">`). And the package docstrings of distkit
+and distkit.course, the map of the helper package's two layers, name every module."""
+import importlib
+import pkgutil
 import re
 
 import nbformat
@@ -42,3 +45,15 @@ def test_relative_links_resolve(page):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target} (no such heading)")
     assert not broken, f"{page.relative_to(ROOT)}: broken links: {broken}"
+
+
+@pytest.mark.parametrize("package", ["distkit", "distkit.course"])
+def test_package_docstring_names_every_module(package):
+    """Each module and subpackage is named in its package's docstring (`distkit.toy`, or in
+    distkit.course `notebook`, `checks/`), so a new one does not go unlisted. distkit.dist is
+    the package's own functions (`from distkit import setup`), listed by name instead."""
+    pkg = importlib.import_module(package)  # the docstrings only: nothing imports torch
+    named = {m.name for m in pkgutil.iter_modules(pkg.__path__)
+             if re.search(rf"`(?:{re.escape(package)}\.)?{m.name}/?`", pkg.__doc__)}
+    missing = {m.name for m in pkgutil.iter_modules(pkg.__path__)} - named - {"dist"}
+    assert not missing, f"{package}'s docstring does not name: {sorted(missing)}"

@@ -2,7 +2,8 @@
 
 Used by the notebooks:
 - `notebook`: launch a lesson script from a cell (failing the cell when the launch fails, with
-  the script's last lines in the error), diffs and source excerpts of scripts.
+  the script's last lines in the error), diffs and source excerpts of scripts, and the checks
+  and reports that the notebooks' compared cells make of their runs' results.
 - `plots`: the measured pictures the notebooks draw from their runs' JSON.
 
 Behind the `make` targets:
@@ -14,4 +15,8 @@ Behind the `make` targets:
 - `gpu_smoke`: `make gpu-smoke`, every chapter's GPU path where GPUs exist.
 - `diagrams/`: `make images`, the explanatory pictures in images/ (one module per chapter).
 - `torchrun`: torchrun as `code/run_w_torchrun.sh` runs it, with a short failure report.
+- `record`: `make record NB=NN`, a notebook's stored outputs (refused on a busy machine).
+- `chapters`: each chapter's metadata from its notebook's first cell (the README's path table,
+  the website, tests/test_chapters.py); `--write` fills in the reading times.
+- `torch_wheels`: `make setup`, which build of torch to install (the CPU wheels without a GPU).
 """
