@@ -14,12 +14,12 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 setup: $(VENV)/.installed
 
-# The venv needs Python 3.11.5-3.12 (what the pins' Requires-Python allow: soupsieve 4.1.2 needs
-# 3.11.5, transformers 5.23 and numpy 2.4 need 3.11; tested with 3.11): checked before making it.
+# The venv needs Python 3.11 or 3.12 (what the pins' Requires-Python allow: transformers 5.23 and
+# numpy 2.4 need 3.11; tested with 3.11): checked before making it.
 define check_python
 v=$$($(PYTHON) -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null); \
-case "$$v" in 3.11.[5-9]|3.11.[1-9][0-9]|3.12.*) ;; \
-  *) echo "make: the course needs Python 3.11.5 or later, or 3.12 (tested: 3.11), but" \
+case "$$v" in 3.11.*|3.12.*) ;; \
+  *) echo "make: the course needs Python 3.11 or 3.12 (tested: 3.11), but" \
           "$(PYTHON) is $${v:+Python }$${v:-not found}; run e.g." \
           "make PYTHON=python3.12 $(or $(MAKECMDGOALS),setup)" >&2; \
      exit 1;; \

@@ -30,10 +30,10 @@ from pathlib import Path
 CODE = Path(__file__).resolve().parents[2]
 ROOT = CODE.parent
 # The lowest and highest Python (tested: 3.11.7). What the pins allow, from their metadata's
-# Requires-Python: transformers 5.23, numpy 2.4 and ipython 9 need 3.11, soupsieve 4.1.2
-# (beautifulsoup4's) 3.11.5, so not Debian 12's 3.11.2 or Ubuntu 22.04's python3.11 (3.11.0).
+# Requires-Python: transformers 5.23, numpy 2.4 and ipython 9 need 3.11 (soupsieve is pinned at
+# 2.10, not 4.x, which needs 3.11.5: Debian 12's 3.11.2 and Ubuntu 22.04's python3.11 work).
 # The Makefile's check_python, before the venv is made, should say the same.
-PYTHONS = ((3, 11, 5), (3, 12))
+PYTHONS = ((3, 11, 0), (3, 12))
 # import name -> distribution name in requirements.txt
 PACKAGES = {"torch": "torch", "transformers": "transformers", "jupyterlab": "jupyterlab",
             "nbval": "nbval", "papermill": "papermill", "matplotlib": "matplotlib"}
