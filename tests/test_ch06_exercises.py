@@ -25,6 +25,8 @@ LOCAL_VERDICT = ("return mean_loss, norm, not (math.isfinite(mean_loss) and math
                  "return mean_loss, norm, not torch.isfinite(grad_norm).item()")
 
 
+# The shared loss and norm summed over the ranks, not averaged: every logged loss N x one process's
+NO_MEAN = ("mean_loss, norm = (shared / N).tolist()", "mean_loss, norm = shared.tolist()")
 # Stopped in time, but the scheduler is told all went well (teardown()'s status copied)
 EXIT_0 = ("os._exit(3)", "os._exit(0)")
 # The guard in place, but the optimizer steps before the exit (as a guard written at the end of
@@ -34,9 +36,11 @@ STEP_THEN_STOP = ("report(step)", "optimizer.step()\nreport(step)")
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    """make test: the solution, the rank-local verdict and a status 0 at 2 ranks (2 x 1)."""
+    """make test: the solution, the rank-local verdict, a status 0 and a sum for a mean at 2 ranks
+    (2 x 1)."""
     return check_at_once({"solution": ("06.1", None), "local_verdict": ("06.1", LOCAL_VERDICT),
-                          "exit_0": ("06.1", EXIT_0)}, tmp_path_factory.mktemp("ch06_ex"))
+                          "exit_0": ("06.1", EXIT_0), "no_mean": ("06.1", NO_MEAN)},
+                         tmp_path_factory.mktemp("ch06_ex"))
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +83,14 @@ def test_a_stop_with_status_0_is_named(checks):
     assert lines[-1] == ("FAIL [2 ranks] the launch ended with exit status 0 after the guard "
                          "stopped it: a scheduler would call the run a success; the ranks' "
                          "status is not 3")
+
+
+def test_a_sum_for_the_mean_is_named(checks):
+    """The all-reduced loss not divided by N: the losses are exactly N x one process's, and the
+    line says so (instructor review N12)."""
+    ok, lines, _ = checks["no_mean"]
+    assert not ok
+    assert lines[-1].endswith("2x: is the all-reduced loss divided by the N ranks?"), lines[-1]
 
 
 @pytest.mark.second_nproc

@@ -53,7 +53,8 @@ def hsdp_guard(run):
            f"{whole // S:,} each (1/{S} of {whole:,})")
     K = res["fault_step"]
     yield losses_match(res["losses"], res["single_losses"][:len(res["losses"])], res["tolerance"],
-                       "one process's on the whole batch")
+                       "one process's on the whole batch",
+                       scaled="is the all-reduced loss divided by the N ranks?")
     yield (not res["problem"], "the guard's verdict is the same on every rank at every step",
            f"{res['problem']}: ranks {[r for r, v in enumerate(res['verdicts'][-1]) if v]} "
            f"would stop, ranks {[r for r, v in enumerate(res['verdicts'][-1]) if not v]} go on "
