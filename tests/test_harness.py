@@ -1,7 +1,10 @@
-"""The test harness itself: pins in step, offline, and nbval really fails on a failed launch."""
+"""The test harness itself: pins in step, offline, nbval really fails on a failed launch, and
+`make record` tells other programs' load from its own."""
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -84,3 +87,26 @@ def test_launch_output_names_paths_relative_to_the_repo():
     from distkit.course.notebook import ROOT as NB_ROOT, _relative
     assert _relative(f"exported to {NB_ROOT}/build/ch06/a/hf\n") == "exported to build/ch06/a/hf\n"
     assert _relative("/elsewhere/build/x") == "/elsewhere/build/x"
+
+
+SPIN = "import time\nt = time.process_time() + {}\nwhile time.process_time() < t: pass\n"
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="record reads /proc/stat (Linux)")
+def test_record_tells_other_programs_load_from_its_own():
+    """distkit.course.record refuses a recording made beside other programs' load: per cell, the
+    machine's busy CPU-seconds less its own (the recorder, its kernel and whatever they start).
+    A child's second of CPU is its own; a program started apart (not a descendant: the shell
+    that started it is gone) that spins is another's, and its cell is named."""
+    from distkit.course.record import LoadWatch
+    watch = LoadWatch()
+    watch.start(0)
+    subprocess.run([sys.executable, "-c", SPIN.format(1.0)], check=True)
+    watch.stop()
+    watch.start(1)
+    subprocess.run(["sh", "-c", '"$0" -c "$1" &', sys.executable, SPIN.format(1.2)], check=True)
+    time.sleep(1.5)
+    watch.stop()
+    (_, _, own0, _), (_, _, own1, foreign1) = watch.rows
+    assert own0 > 0.8, watch.rows  # the waited-for child's CPU counts as the recording's own
+    assert own1 < 0.3 and [r[0] for r in watch.busy_cells()][-1:] == [1], watch.rows
