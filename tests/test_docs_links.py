@@ -1,7 +1,9 @@
 """Every relative link in the README, CONTRIBUTING.md, docs/ and the notebooks' markdown leads
 somewhere: a file or folder of the repository, and for a `#anchor` into a markdown page, one of
-its headings or anchors (the glossary's `<a id="term">`). And the package docstrings of distkit
-and distkit.course, the map of the helper package's two layers, name every module."""
+its headings or anchors (the glossary's `<a id="term">`). And the map of the helper package's two
+layers holds: the docstrings of distkit and distkit.course name every module, and nothing a
+learner reads (lesson scripts, distkit's lesson layer) imports the course's tooling."""
+import ast
 import importlib
 import pkgutil
 import re
@@ -9,7 +11,7 @@ import re
 import nbformat
 import pytest
 
-from conftest import ROOT
+from conftest import CODE, ROOT
 
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -57,3 +59,24 @@ def test_package_docstring_names_every_module(package):
              if re.search(rf"`(?:{re.escape(package)}\.)?{m.name}/?`", pkg.__doc__)}
     missing = {m.name for m in pkgutil.iter_modules(pkg.__path__)} - named - {"dist"}
     assert not missing, f"{package}'s docstring does not name: {sorted(missing)}"
+
+
+def test_no_lesson_code_imports_the_course_tooling():
+    """Lesson scripts (code/chNN_*/, exercises and solutions too) and distkit's lesson layer
+    never import distkit.course: a learner who copies a script needs only distkit."""
+    found = []
+    for path in sorted(CODE.rglob("*.py")):
+        if (CODE / "distkit" / "course") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):  # `from .course import x` in distkit too
+                module = ("distkit." if node.level else "") + (node.module or "")
+                names = [f"{module}.{a.name}".replace("distkit..", "distkit.")
+                         for a in node.names]
+            else:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}" for name in names
+                      if name == "distkit.course" or name.startswith("distkit.course.")]
+    assert not found, f"lesson code imports distkit.course: {found}"
