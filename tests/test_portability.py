@@ -56,8 +56,10 @@ def test_onednn_obeys_the_isa_cap():
 
 
 def test_bf16_flash_attention_runs_under_the_portability_env():
-    """The op that failed on AMX, at sizes where torch packs (>= 4 heads, head size 64, >= 192
-    queries), forward and backward, with the suite's environment."""
+    """The op that failed on AMX, forward and backward, with the suite's environment, at sizes
+    where torch's bf16 kernel packs (FlashAttentionKernel.cpp, cpu_flash_attention's need_pack:
+    queries and keys >= 64, and each thread's matmul work >= 4x the packing: here 4 ceil(64/T)
+    for T threads, so at any thread count)."""
     code = ("import torch, torch.nn.functional as F\n"
             "q = torch.randn(2, 8, 256, 64, dtype=torch.bfloat16, requires_grad=True)\n"
             "F.scaled_dot_product_attention(q, q, q, is_causal=True).float().pow(2).mean()"
