@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import CODE, run_in_process, run_ok
+from conftest import CODE, run_in_process, run_launcher, run_ok
+from test_ch06_scripts import INJECT
 
 sys.path.insert(0, str(CODE / "ch06_capstone"))
 import corpus  # noqa: E402
@@ -101,11 +102,43 @@ def test_profile_step_writes_a_trace_per_rank(runs):
         assert "aten::mm" in names
 
 
+def test_standalone_recipe_never_saves_a_bad_update(runs, tmp_path):
+    """The recipe a learner copies, with a fault from outside (the wrapper of
+    test_ch06_scripts.py): rank 0's update of step 6, the last and a save step, writes a NaN into
+    a weight. Only the next forward shows it, so the recipe saves step K in iteration K + 1,
+    before that step's update, and checks the last step with one more forward and backward:
+    step 6 is never saved, the newest checkpoint is step 3's, and --resume from it ends as the
+    run without the fault did, to the last bit. The data order is drawn once per epoch, not at
+    every step (a randperm of every sequence: gigabytes at pretraining scale)."""
+    tmp, tokens, _ = runs
+    (tmp_path / "inject.py").write_text(INJECT)
+    args = [*SETTINGS, "--tokens", tokens, "--out", tmp_path / "run", "--save-every", "3"]
+    env = {"CODE": str(CODE), "SCRIPT": "fsdp2_recipe.py"}
+    bad = run_launcher(2, tmp_path / "inject.py", *args, timeout=600,
+                       env={**env, "BAD_UPDATE_AT": "0:6", "RANDPERM_LOG": str(tmp_path / "perm")})
+    assert bad.returncode == 1 and "non-finite loss or gradient norm at step 7" in bad.stderr
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000003"]
+    assert [(tmp_path / f"perm.{r}").read_text().count("\n") for r in (0, 1)] == [1, 1]
+    proc = run_ok(2, "ch06_capstone/fsdp2_recipe.py", *args, "--resume", timeout=600)
+    assert "resumed from step 3" in proc.stdout and "step 6: loss" in proc.stdout
+    assert losses(tmp_path / "run" / "losses.jsonl") == losses(tmp / "recipe" / "losses.jsonl")
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "step_000003", "step_000006"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tokens", "/no/such"], "--tokens: no train.bin in /no/such"),
     (["--tokens", ".", "--batch-size", "6"], "--batch-size must be a multiple of 2 ranks"),
+    (["--out", "{old}"], "--out {old} holds checkpoints: --resume continues that run"),
 ])
-def test_recipe_bad_input(monkeypatch, capsys, args, message):
+def test_recipe_bad_input(monkeypatch, capsys, tmp_path, args, message):
+    """Bad input, and a run without --resume into an --out with checkpoints: a fresh run would
+    write over them (and a crash mid-save would pair old metadata with new shards)."""
+    (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000002" / ".metadata").write_text("")
+    (tmp_path / "train.bin").write_bytes(b"")
+    args = [str(a).format(old=tmp_path) for a in ["--tokens", tmp_path, *args]]
+    message = message.format(old=tmp_path)
     status, _, err = run_in_process(monkeypatch, capsys, "ch06_capstone/fsdp2_recipe.py", *args,
                                     env={"WORLD_SIZE": "2"})
     assert status == 2 and message in err.strip().splitlines()[-1]

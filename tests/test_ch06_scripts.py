@@ -284,8 +284,9 @@ def test_resume_from_the_last_step(exported):
     assert rows_of(tmp / "run") == rows  # nothing trained, nothing logged twice
 
 
-# Faults from outside: this wrapper runs train_llama.py unchanged (runpy), with a fault placed by
-# environment variables "RANK:N" (the review's injection methods). Hooks, not script changes: the
+# Faults from outside: this wrapper runs train_llama.py (or SCRIPT, another file of
+# ch06_capstone/) unchanged (runpy), with a fault placed by environment variables "RANK:N" (the
+# review's injection methods). Hooks, not script changes: the
 # script has no test hook, so what it does here is what it does on a cluster.
 INJECT = r"""
 import os, runpy, signal, sys, threading
@@ -332,6 +333,14 @@ if at("TERM_AT_START") is not None:  # a preemption while the token cache is pre
         return prepare(*args, **kwargs)
     corpus.prepare_on_ranks = preempted
 
+if os.environ.get("RANDPERM_LOG"):  # how often the data order is drawn
+    randperm = torch.randperm
+    def counted(*args, **kwargs):
+        with open(f"{os.environ['RANDPERM_LOG']}.{RANK}", "a") as f:
+            f.write(f"{args[0]}\n")
+        return randperm(*args, **kwargs)
+    torch.randperm = counted
+
 if os.environ.get("HASH_LOG"):  # which thread reads back and hashes each checkpoint file
     sha256 = distkit.ckpt._sha256
     def logged(path):
@@ -340,7 +349,8 @@ if os.environ.get("HASH_LOG"):  # which thread reads back and hashes each checkp
         return sha256(path)
     distkit.ckpt._sha256 = logged
 
-script = os.path.join(os.environ["CODE"], "ch06_capstone", "train_llama.py")
+script = os.path.join(os.environ["CODE"], "ch06_capstone",
+                      os.environ.get("SCRIPT", "train_llama.py"))
 sys.argv[0] = script
 runpy.run_path(script, run_name="__main__")
 """

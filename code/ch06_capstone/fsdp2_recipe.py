@@ -13,6 +13,7 @@ corpus.py writes them (or numpy's `ids.astype(np.uint16).tofile("train.bin")`). 
 held-out evaluation, metrics files, async saves, the export (see train_llama.py).
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -78,6 +79,9 @@ def parse_args():
                      "--replicate divide the ranks")
     if not (Path(args.tokens) / "train.bin").exists():
         parser.error(f"--tokens: no train.bin in {args.tokens}")
+    if not args.resume and list(Path(args.out).glob("checkpoints/step_*/.metadata")):
+        parser.error(f"--out {args.out} holds checkpoints: --resume continues that run (a fresh "
+                     "one would write over them), or choose another --out")
     return args
 
 
@@ -103,12 +107,17 @@ data = torch.from_numpy(ids[:n * args.seq_len].reshape(n, args.seq_len))
 steps_per_epoch = n // args.batch_size
 
 
+@functools.lru_cache(maxsize=1)  # once per epoch, not per step: 4 bytes a sequence
+def permutation(epoch):
+    return torch.randperm(n, dtype=torch.int32, generator=torch.Generator().manual_seed(
+        args.seed * 100_003 + epoch))
+
+
 def batch_of(step):
     """This rank's slice of the step's global batch: a seeded permutation per epoch, the same
     on every rank and world size, so a resume needs nothing but the step."""
     epoch, i = divmod(step, steps_per_epoch)
-    order = torch.randperm(n, dtype=torch.int32, generator=torch.Generator().manual_seed(
-        args.seed * 100_003 + epoch))[i * args.batch_size:(i + 1) * args.batch_size]
+    order = permutation(epoch)[i * args.batch_size:(i + 1) * args.batch_size]
     return data[order.view(world, -1)[rank].long()].long()
 
 
@@ -169,6 +178,7 @@ if args.resume and done:
     step = int(sd["step"])
     if rank == 0:
         print(f"resumed from step {step}", flush=True)
+start = step
 
 
 def save(step):
@@ -177,12 +187,25 @@ def save(step):
              checkpoint_id=ckpts / f"step_{step:06d}")
 
 
-# ---- the loop
+def due(step):  # a checkpoint of this step is asked for
+    return args.save_every > 0 and step % args.save_every == 0 and step > start
+
+
+# ---- the loop. Step K's checkpoint is written in the next iteration, once its forward and
+# backward gave finite numbers and before its optimizer step: the weights are still step K's.
+# A bad update (a learning rate too high, a corrupted weight) shows only in the next loss, so a
+# save right after optimizer.step() could hold it, and every resume would fail on it. (After
+# the last step, one more forward and backward checks it before the final save.)
 log = None
 if rank == 0:
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    log = open(Path(args.out) / "losses.jsonl", "a")
-while step < args.max_steps:
+    path = Path(args.out) / "losses.jsonl"
+    if path.exists():  # forget what an earlier attempt logged after the step we start from
+        rows = [r for r in path.read_text().splitlines() if json.loads(r)["step"] <= step]
+        path.write_text("".join(r + "\n" for r in rows))
+    log = open(path, "a")
+logged, stopping = None, False
+while step < args.max_steps or due(step):
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step)
     loss_sum = torch.zeros((), device=device)
@@ -202,17 +225,20 @@ while step < args.max_steps:
     loss, norm = loss / world, norm / world
     if not (math.isfinite(loss) and math.isfinite(norm)):  # before the step poisons the weights
         sys.exit(f"fsdp2_recipe.py: non-finite loss or gradient norm at step {step + 1}")
+    if due(step) or (stopping and step > start):  # step's weights just gave finite numbers
+        save(step)
+    if stopping or step == args.max_steps:  # (the last step's check, or a stop: no update)
+        break
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     step += 1
+    logged = loss
     if log:
         log.write(json.dumps({"step": step, "loss": loss, "grad_norm": norm}) + "\n")
         log.flush()
-    if stopping or (args.save_every and step % args.save_every == 0):
-        save(step)
-    if stopping:
-        break
 if rank == 0:
-    print(f"step {step}: loss {loss:.4f}" + (" (stopped by SIGTERM, saved)" if stopping else ""))
+    print(f"step {step}" + (f": loss {logged:.4f}" if logged is not None else "")
+          + ((" (stopped by SIGTERM, saved)" if step > start else " (stopped by SIGTERM)")
+             if stopping else ""))
 dist.barrier()
 dist.destroy_process_group()
