@@ -2,9 +2,10 @@
 prints one torchrun command per node (node count, GPUs, rendezvous, job id, script), whose options
 exist in the installed torchrun and in train_llama.py; options after the template's name reach
 train_llama.py; the real path, with srun and scontrol stood in by scripts, runs that same command
-and requeues a run that a signal stopped (OUT/stopped.json) or that failed, up to a cap, but not
-one the script marked as deterministic (OUT/failed.json), and no stale marker of an earlier
-attempt decides. Bash only: no torch import, no launch."""
+and requeues a run that a signal stopped (OUT/stopped.json) however often, or that failed, up to a
+cap of failures in a row without a new checkpoint, but not one the script marked as deterministic
+(OUT/failed.json), and no stale marker of an earlier attempt decides. Bash only: no torch import,
+no launch."""
 import importlib.util
 import os
 import re
@@ -100,12 +101,14 @@ def test_extra_options_go_to_the_script():
 @pytest.fixture
 def fake_slurm(tmp_path):
     """srun and scontrol as scripts on PATH that record what they were asked to do; srun leaves
-    the marker file $MARKER in OUT, as train_llama.py would."""
+    the marker file $MARKER in OUT, as train_llama.py would, and commits the checkpoint folder
+    $SAVED if set."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "srun").write_text(
         '#!/bin/bash\nprintf "%s\\n" "$@" > "$LOG/srun"\n'
         '[[ -z "$MARKER" ]] || { mkdir -p "$OUT"; echo {} > "$OUT/$MARKER"; }\n'
+        '[[ -z "$SAVED" ]] || mkdir -p "$OUT/checkpoints/$SAVED"\n'
         'exit "${SRUN_STATUS:-0}"\n')
     (bin_ / "scontrol").write_text('#!/bin/bash\ncase $1 in\n  show) printf "gpu%02d\\n" 1 2;;\n'
                                    '  requeue) echo "$2" >> "$LOG/requeue";;\nesac\n')
@@ -118,35 +121,52 @@ def fake_slurm(tmp_path):
     return tmp_path, slurm
 
 
-@pytest.mark.parametrize("stale, marker, restarts, srun_status, requeued", [
-    ("", "stopped.json", "0", "143", True),  # stopped by the signal (and saved): queue it again
-    ("", "", "0", "0", False),               # finished
-    ("", "", "0", "1", True),                # failed: a GPU, a node, NCCL? retried (F3)
-    ("", "failed.json", "0", "1", False),    # non-finite: marked deterministic, not retried
-    ("", "stopped.json", "3", "143", False),  # requeued 3 times already: give up
-    ("", "", "3", "1", False),               # the cap holds for failures too
-    ("stopped.json", "", "0", "0", False),   # an earlier attempt's marker does not decide (F2)
-    ("failed.json", "", "0", "1", True),     # ... either way
-])
-def test_real_path_runs_srun_and_requeues(fake_slurm, stale, marker, restarts, srun_status,
-                                          requeued):
+# (marker left by an earlier attempt, marker this attempt leaves, failures in a row before it,
+#  checkpoint it commits, its status, requeued?, failures in a row after it)
+REQUEUE = [
+    ("", "stopped.json", 0, "", 143, True, 0),   # stopped by the signal (and saved): queue it again
+    ("", "stopped.json", 2, "step_000010", 1, True, 0),  # ... (torchrun says 1 after a stop)
+    ("", "", 0, "", 0, False, 0),                # finished
+    ("", "", 0, "", 1, True, 1),                 # failed: a GPU, a node, NCCL? retried (F3)
+    ("", "", 2, "", 1, True, 3),                 # the third failure in a row: still retried
+    ("", "", 3, "", 1, False, 3),                # the fourth without progress: give up
+    ("", "", 3, "step_000010", 1, True, 1),      # ... but a failure after a new checkpoint
+    ("", "failed.json", 0, "", 1, False, 0),     # non-finite: marked deterministic, not retried
+    ("stopped.json", "", 0, "", 0, False, 0),    # an earlier attempt's marker does not decide (F2)
+    ("failed.json", "", 0, "", 1, True, 1),      # ... either way
+]
+
+
+@pytest.mark.parametrize("stale, marker, before, saved, srun_status, requeued, after", REQUEUE)
+def test_real_path_runs_srun_and_requeues(fake_slurm, stale, marker, before, saved, srun_status,
+                                          requeued, after):
+    """A chain of jobs that each stop at the time limit is requeued however long it is
+    (SLURM_RESTART_COUNT 9 here); failures are retried up to MAX_FAILURES (3) in a row without a
+    new checkpoint, and giving up says so."""
     tmp_path, slurm = fake_slurm
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step_000005").mkdir(parents=True)  # where this attempt starts
+    (out / "checkpoints" / "step_000008.tmp").mkdir()  # not committed: no progress
+    (out / "requeue_failures").write_text(f"{before}\n")
     if stale:  # left by an earlier attempt that the job's script must not trust
-        (tmp_path / "out").mkdir(parents=True)
-        (tmp_path / "out" / stale).write_text('{"signal": "SIGTERM", "step": 7}')
-    proc = run("--max-steps", "10", SLURM_RESTART_COUNT=restarts, SRUN_STATUS=srun_status,
-               MARKER=marker, **slurm)
-    assert proc.returncode == int(srun_status), proc.stderr
+        (out / stale).write_text('{"signal": "SIGTERM", "step": 7}')
+    proc = run("--max-steps", "10", SLURM_RESTART_COUNT="9", SRUN_STATUS=str(srun_status),
+               MARKER=marker, SAVED=saved, **slurm)
+    assert proc.returncode == srun_status, proc.stderr
     args = (tmp_path / "srun").read_text().splitlines()
     assert args[:2] == ["--kill-on-bad-exit=1", "--cpus-per-task=32"]
     opts, script = split(args[2:])
     assert (opts["--nnodes"], opts["--nproc-per-node"], opts["--rdzv-endpoint"],
             opts["--rdzv-id"]) == ("2", "4", "gpu01:29500", "4242")
-    assert script[-2:] == ["--max-steps", "10"] and str(tmp_path / "out") in script
+    assert script[-2:] == ["--max-steps", "10"] and str(out) in script
     assert (tmp_path / "requeue").exists() == requeued, proc.stderr
+    assert int((out / "requeue_failures").read_text()) == after
     if requeued:
         assert (tmp_path / "requeue").read_text() == "4242\n"
-        assert f"requeued (attempt {int(restarts) + 1} of 3)" in proc.stderr
+        assert "requeued (restart 10)" in proc.stderr
+    elif srun_status:  # a job that ends without a requeue says why
+        assert "not requeued: " + ("OUT/failed.json" if marker else
+                                   "3 failures in a row without a new checkpoint") in proc.stderr
 
 
 def test_submitted_from_elsewhere_one_line_and_status_2(fake_slurm):
