@@ -6,6 +6,7 @@ the clipped norm; AdamW's groups) and in its profiler traces (--profile-step: on
 
 Budget: one 2-rank launch of each script at once (~10 CPU-s each, mostly imports), then a
 1-rank resume of the recipe; the token cache is built in this process (pydoc, vocabulary 300)."""
+import ast
 import json
 import shutil
 import sys
@@ -124,6 +125,17 @@ def test_standalone_recipe_never_saves_a_bad_update(runs, tmp_path):
     assert losses(tmp_path / "run" / "losses.jsonl") == losses(tmp / "recipe" / "losses.jsonl")
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
         "step_000003", "step_000006"]
+
+
+def test_standalone_recipe_imports_only_torch_transformers_numpy():
+    """The file a learner copies imports nothing of the course (no distkit, no corpus.py):
+    every import is of the standard library, torch, transformers or numpy."""
+    tree = ast.parse((CODE / "ch06_capstone" / "fsdp2_recipe.py").read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+    names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    tops = {name.split(".")[0] for name in names}
+    assert tops - sys.stdlib_module_names == {"torch", "transformers", "numpy"}
 
 
 @pytest.mark.parametrize("args, message", [
