@@ -166,8 +166,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="optimizer steps between checkpoints (default 0: only when stopped "
                             "by a signal). Step K's checkpoint is committed once the next "
                             "step's loss and gradient norm are finite on every rank (and, with "
-                            "--async-save, its upload is done): one that holds a bad update "
-                            "never becomes the newest")
+                            "--async-save, its upload is done): an update that makes the next "
+                            "step non-finite never reaches the newest checkpoint")
     group.add_argument("--keep", type=int, metavar="N", default=2,
                        help="checkpoints to keep (default %(default)s)")
     group.add_argument("--resume", action="store_true",
