@@ -330,8 +330,7 @@ def prepare_on_ranks(rank: int, data_dir, vocab_size: int, **kwargs) -> Path:
     a file system every node sees, as the checkpoints'), then all meet at a barrier. The others
     poll the file system instead of waiting in a collective, so tokenizing a large corpus takes
     as long as it takes: no collective timeout ends it. If rank 0 fails, its torchrun stops the
-    ranks of its node, and `srun --kill-on-bad-exit` (train_llama.sbatch) the other nodes'; a
-    multi-node torchrun started by hand leaves them polling.
+    ranks of its node, and under train_llama.sbatch `srun --kill-on-bad-exit` the other nodes'.
     A collective: every rank calls it."""
     import torch.distributed as dist
     folder = cache_folder(data_dir, vocab_size, kwargs.get("tokenizer"), kwargs.get("paths"),
