@@ -41,7 +41,8 @@ def test_help_is_whole_sentences():
 
 @pytest.mark.parametrize("batch, message", [(10, "BATCH=10 must divide")])
 def test_notebook_rejects_bad_parameters(tmp_path, batch, message):
-    proc = subprocess.run([sys.executable, "-m", "papermill", "notebooks/01_data_parallel_ddp.ipynb",
+    proc = subprocess.run([sys.executable, "-m", "papermill",
+                           "notebooks/01_data_parallel_ddp.ipynb",
                            str(tmp_path / "out.ipynb"), "-p", "BATCH", str(batch)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and message in proc.stderr + proc.stdout
@@ -49,7 +50,8 @@ def test_notebook_rejects_bad_parameters(tmp_path, batch, message):
 
 @pytest.mark.second_nproc
 def test_notebook_at_three_processes(tmp_path):
-    """docs/parameters.md's plain papermill command, run from notebooks/ without PYTHONPATH (the ch00
+    """docs/parameters.md's plain papermill command, run from notebooks/ without PYTHONPATH (the
+    ch00
     test runs from the repo root), at NPROC=3 (BATCH must then be 24): the parity asserts, and
     the resume cell, which at N > 2 pins the buckets and must then be bit-exact too."""
     out = tmp_path / "out.ipynb"

@@ -141,7 +141,8 @@ def test_gpipe_starter_stops_at_its_todo(runs):
 
 
 def test_notebook_rejects_bad_parameters(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "papermill", "notebooks/02_model_parallelism.ipynb",
+    proc = subprocess.run([sys.executable, "-m", "papermill",
+                           "notebooks/02_model_parallelism.ipynb",
                            str(tmp_path / "out.ipynb"), "-p", "NPROC", "3"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "NPROC must divide the tiny Llama's 4 attention heads" in \
@@ -167,7 +168,8 @@ def test_notebook_at_four_processes(tmp_path):
     ring_all_reduce = 2 * (n - 1) * tp["activation_bytes"] // n
     megatron, seq = tp["plans"]["megatron"], tp["plans"]["sequence"]
     assert megatron["forward_ring_bytes"] == 2 * L * ring_all_reduce
-    assert seq["forward_ring_bytes"] == megatron["forward_ring_bytes"] + (n - 1) * tp["activation_bytes"] // n
+    assert seq["forward_ring_bytes"] == (megatron["forward_ring_bytes"]
+                                         + (n - 1) * tp["activation_bytes"] // n)
 
 
 def check_results(out, n: int, layers: int) -> None:

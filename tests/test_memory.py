@@ -54,7 +54,8 @@ def test_activation_formulas_agree_with_each_other():
     plain = activation_bytes_per_layer(s, b, h, a)
     assert plain == s * b * h * (34 + 5 * a * s / h)
     # one tensor-parallel rank, with or without sequence parallelism, is no parallelism
-    assert activation_bytes_per_layer(s, b, h, a, tensor_parallel=1, sequence_parallel=True) == plain
+    assert activation_bytes_per_layer(s, b, h, a, tensor_parallel=1,
+                                      sequence_parallel=True) == plain
     # sequence parallelism divides everything by t
     sp = activation_bytes_per_layer(s, b, h, a, tensor_parallel=8, sequence_parallel=True)
     assert sp == pytest.approx(plain / 8)
@@ -191,7 +192,8 @@ def tracked_activation_bytes(layers, attn, precision, ac):
     return by_category(snapshot, device)["Activation"]
 
 
-LLAMA_CASES = [(attn, precision) for attn in ("eager", "sdpa") for precision in ("fp32", "amp", "bf16")]
+LLAMA_CASES = [(attn, precision) for attn in ("eager", "sdpa")
+               for precision in ("fp32", "amp", "bf16")]
 
 
 @pytest.mark.parametrize("attn, precision", LLAMA_CASES)

@@ -27,9 +27,11 @@ def sanitize(text: str) -> str:
 
 # rule -> (a line it must rewrite, what the whole file makes of it), [lines every rule keeps]
 CASES = {
-    "ports": (("MASTER_ADDR=localhost  MASTER_PORT=40835\n", "MASTER_ADDR=localhost  MASTER_PORT=PORT\n"),
+    "ports": (("MASTER_ADDR=localhost  MASTER_PORT=40835\n",
+               "MASTER_ADDR=localhost  MASTER_PORT=PORT\n"),
               ["all_reduce of 16 MiB exact on every rank: True\n", "exported 2 ports\n"]),
-    "ipv4": (("Connection closed by peer [10.1.2.3]:6554\n", "Connection closed by peer [IP]:6554\n"),
+    "ipv4": (("Connection closed by peer [10.1.2.3]:6554\n",
+              "Connection closed by peer [IP]:6554\n"),
              ["torch 2.13.0+cpu\n", "version 1.2.3\n"]),
     "memory_addresses": (("<Linear object at 0x7f3a2c1d5e10>\n", "<Linear object at 0xADDR>\n"),
                          ["<Figure size 650x600 with 1 Axes>\n", "mask 0xff\n"]),

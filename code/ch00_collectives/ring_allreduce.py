@@ -19,7 +19,8 @@ from distkit import print0, print_ranks, seed_everything, setup, teardown, write
 
 
 def ring_all_reduce(x: torch.Tensor) -> tuple[torch.Tensor, int, list]:
-    """Sum x over all ranks, in place. Returns (x, bytes this rank sent, chunks it sent per step)."""
+    """Sum x over all ranks, in place. Returns (x, bytes this rank sent, chunks it sent per
+    step)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % n, (rank - 1) % n
     chunks = list(x.view(-1).tensor_split(n))  # views: writing a chunk writes x

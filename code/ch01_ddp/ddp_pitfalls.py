@@ -126,7 +126,8 @@ if "checkpoint" in cases:
             for step in range(3):
                 x, y = batch(10 * rank + step)
                 model.zero_grad()
-                F.cross_entropy(model(x.to(env.device).requires_grad_()), y.to(env.device)).backward()
+                logits = model(x.to(env.device).requires_grad_())
+                F.cross_entropy(logits, y.to(env.device)).backward()
             # the reference: this rank's own gradient of the same weights, averaged by hand
             local = copy.deepcopy(model.module)
             local.zero_grad()

@@ -172,7 +172,7 @@ shapes = {name: [list(w.shape), list(local(w).shape)] for name, w in (
 mine = next(r["param_bytes"] for p, r in results.items() if p != "vocab") \
     if set(plans) - {"vocab"} else results["vocab"]["param_bytes"]
 whole = sum(p.nbytes for p in base.parameters())
-print_ranks("  ".join(f"{n} {g} -> {l}" for n, (g, l) in shapes.items())
+print_ranks("  ".join(f"{n} {g} -> {loc}" for n, (g, loc) in shapes.items())
             + f"\nparameter bytes: {mine} here, {whole} unsharded")
 write_json(args.json, {
     "world_size": env.world_size, "layers": args.layers, "hidden": args.hidden,

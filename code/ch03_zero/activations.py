@@ -66,7 +66,8 @@ def measure(layers: int, attention: str, checkpoint: bool, precision: str) -> di
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     if checkpoint:  # each layer keeps only its input; its forward runs again in backward
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
     tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq))
     tracker = MemTracker()
     tracker.track_external(model)
@@ -95,7 +96,8 @@ for i in range(0, len(runs), len(LAYERS)):
     per_layer = (last["end_of_forward"]["Activation"] - first["end_of_forward"]["Activation"]) \
         // (last["layers"] - first["layers"])
     # every point on one line: the intercept is the same from each layer count
-    straight = len({r["end_of_forward"]["Activation"] - r["layers"] * per_layer for r in group}) == 1
+    straight = len({r["end_of_forward"]["Activation"] - r["layers"] * per_layer
+                    for r in group}) == 1
     model = sum(llama_layer_saved(SHAPE, s, b, precision=first["dtype"],
                                   attn=first["attention"],
                                   ac="full" if first["checkpoint"] else "none").values())
@@ -103,7 +105,8 @@ for i in range(0, len(runs), len(LAYERS)):
         r.update(per_layer=per_layer, model_per_layer=model, straight=straight)
     print(f"{first['dtype']:9s} {first['attention']:9s} "
           f"{'every layer' if first['checkpoint'] else 'none':13s} {per_layer:11,d} "
-          f"{per_layer / (s * b * h):11.2f} {model:17,d} {str(per_layer == model and straight):>5s}")
+          f"{per_layer / (s * b * h):11.2f} {model:17,d} "
+          f"{str(per_layer == model and straight):>5s}")
 if args.json:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"seq": s, "batch": b, "hidden": h, "heads": a,

@@ -57,7 +57,8 @@ def build():
 
 
 def wrap(strategy: str, model):
-    """The only lines that differ between the strategies: how the model and optimizer are wrapped."""
+    """The only lines that differ between the strategies: how the model and optimizer are
+    wrapped."""
     adamw = dict(lr=1e-3, weight_decay=0.01)
     if strategy == "ddp":
         model = DDP(model, gradient_as_bucket_view=True)  # gradients live in DDP's buckets
@@ -171,7 +172,8 @@ for strategy in strategies:
     want = predicted(strategy)
     per_rank = [r[strategy]["measured"] for r in every_rank]
     close = all(abs(m[c] - want[c]) <= 0.01 * want[c] for m in per_rank for c in CATEGORIES)
-    print0(f"{strategy:11s}" + "".join(f"{per_rank[0][c] / num_params:7.3f} ({want[c] / num_params:5.3f})"
+    print0(f"{strategy:11s}" + "".join(f"{per_rank[0][c] / num_params:7.3f} "
+                                       f"({want[c] / num_params:5.3f})"
                                        for c in CATEGORIES) + f"   {close}")
     results[strategy]["predicted"] = want
 print0(f"every parameter's first dimension divides by N = {env.world_size}: {divides}")
@@ -184,6 +186,7 @@ write_json(args.json, {"world_size": env.world_size, "num_params": num_params,
                        "num_tensors": len(list(build().parameters())),
                        "batch_size": args.batch_size, "layers": args.layers,
                        "hidden": args.hidden, "single_losses": single,
-                       "root_params": root_params, "dims_divide": divides, "predicted": {s: predicted(s) for s in strategies},
+                       "root_params": root_params, "dims_divide": divides,
+                       "predicted": {s: predicted(s) for s in strategies},
                        "ranks": every_rank})
 teardown()
