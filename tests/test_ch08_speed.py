@@ -11,7 +11,7 @@ import pytest
 from distkit.memory import GiB, LLAMA_CONFIGS, llama_parts, llama_training_bytes, matmul_params
 from distkit.speed import (ADAMW_BYTES, FABRIC, GPUS, LINKS, Efficiency, Fabric, Layout,
                            activation_traffic, collective_time, fsdp_threshold_tokens,
-                           hardware_flops, memory_bound_seconds, step_time)
+                           hardware_flops, memory_bound_seconds, peak_bf16, step_time)
 
 H100, NDR = GPUS["H100 SXM"], LINKS["IB NDR / RoCE 400G"]
 C8, C70 = LLAMA_CONFIGS["8b"], LLAMA_CONFIGS["70b"]
@@ -304,3 +304,16 @@ def test_memory_options_by_hand():
     key = "log-softmax of the fp32 logits (the loss)"
     assert llama_rest_saved(C8, T, 1, loss_chunks=8)[key] == 4 * T * V // 8 + 4
     assert llama_rest_saved(C8, T, 1, vocab_parallel=8, loss_chunks=2)[key] == 4 * T * V // 16 + 4
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA GH200 480GB", 989e12), ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L40S", 362e12), ("NVIDIA L40", 181e12),
+    ("NVIDIA L4", 121e12), ("NVIDIA A10G", None), ("NVIDIA A10", 125e12),
+    ("NVIDIA B200", 2250e12), ("NVIDIA GB200", 2500e12), ("AMD Instinct MI300X", 1307e12),
+    ("NVIDIA GeForce RTX 4090", None)])
+def test_peak_bf16_by_device_name(name, peak):
+    """The capstone's MFU reads the peak by torch.cuda.get_device_name(): the longest table name
+    the device's contains wins, whatever the table's order (an L40S is no L4, an A10G no A10)."""
+    assert peak_bf16(name) == peak

@@ -79,19 +79,20 @@ class GPU:
 
 
 # The course's one table of dense bf16 tensor-core peaks (no 2:4 sparsity), FLOP/s per GPU, from
-# the vendors' datasheets, by the name torch.cuda.get_device_name() contains: the first match wins
-# (more specific names first). The capstone's MFU and the planner both read it.
+# the vendors' datasheets, by a name torch.cuda.get_device_name() contains: the longest such name
+# wins ("NVIDIA L40S" is an L40S, not an L4). None: a GPU whose peak the course does not know but
+# whose name holds another entry's (AWS's A10G is not an A10): MFU n/a, give --peak-tflops.
 PEAK_BF16 = {"H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
              "GH200": 989e12, "H200 NVL": 835e12, "H200": 989e12, "GB200": 2500e12,
              "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12,
-             "L4": 121e12, "A10G": None, "A10": 125e12,
-             "MI300X": 1307e12}  # GH200 before H200, GB200 before B200, A10G before A10
+             "L4": 121e12, "A10G": None, "A10": 125e12, "MI300X": 1307e12}
 
 
 def peak_bf16(device_name: str) -> float | None:
     """The dense bf16 peak of a GPU by its name (torch.cuda.get_device_name()), or None (not in
     the table, or, as AWS's A10G, a name another entry would match with the wrong peak)."""
-    return next((v for k, v in PEAK_BF16.items() if k in device_name), None)
+    names = [k for k in PEAK_BF16 if k in device_name]
+    return PEAK_BF16[max(names, key=len)] if names else None
 
 
 GPUS = {
