@@ -127,6 +127,24 @@ def test_standalone_recipe_never_saves_a_bad_update(runs, tmp_path):
         "step_000003", "step_000006"]
 
 
+@pytest.mark.parametrize("script", ["fsdp2_recipe.py", "train_llama.py"])
+def test_an_older_torch_is_refused_in_one_line(monkeypatch, capsys, script):
+    """A cluster's torch module is often older: on torch 2.4 (no torch.distributed.fsdp's
+    fully_shard, no public DTensor yet) the scripts' first line must be their version check,
+    not an ImportError traceback from an import above it."""
+    import torch
+    import torch.distributed.fsdp
+    import torch.distributed.tensor
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cu121")
+    monkeypatch.delattr(torch.distributed.fsdp, "fully_shard")
+    monkeypatch.delattr(torch.distributed.tensor, "DTensor")
+    for name in [m for m in sys.modules if m == "distkit" or m.startswith("distkit.")]:
+        monkeypatch.delitem(sys.modules, name)  # imported again, from the old torch
+    status, _, _ = run_in_process(monkeypatch, capsys, f"ch06_capstone/{script}", "--help")
+    assert f"{script}: needs torch >= 2.11" in str(status)
+    assert "this is" in str(status) and "2.4.1" in str(status)
+
+
 def test_standalone_recipe_imports_only_torch_transformers_numpy():
     """The file a learner copies imports nothing of the course (no distkit, no corpus.py):
     every import is of the standard library, torch, transformers or numpy."""

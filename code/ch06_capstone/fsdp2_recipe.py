@@ -25,6 +25,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+if tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", torch.__version__).groups()) < (2, 11):
+    sys.exit(f"fsdp2_recipe.py: needs torch >= 2.11, this is {torch.__version__}")  # first
+
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
@@ -34,8 +38,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-if tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", torch.__version__).groups()) < (2, 11):
-    sys.exit(f"fsdp2_recipe.py: needs torch >= 2.11, this is {torch.__version__}")
 PRESETS = {  # LlamaConfig fields; llama-1b/8b: Llama 3.2 1B's and 3.1 8B's shapes
     "cpu-tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,

@@ -40,6 +40,13 @@ from pathlib import Path
 
 import psutil
 import torch
+
+# First, before any import an older torch lacks (torch.distributed.fsdp's fully_shard came in 2.6)
+TORCH = tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+if TORCH < (2, 11):
+    sys.exit(f"train_llama.py: needs torch >= 2.11 (FSDP2, DCP's async stager); this is torch "
+             f"{torch.__version__}: pip install 'torch>=2.11' (the course pins 2.13.0)")
+
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
@@ -55,11 +62,6 @@ import corpus  # noqa: E402
 from distkit import memory, print0, setup, speed, teardown  # noqa: E402
 from distkit.ckpt import AppState, CheckpointDir, Stager, own_files, step_of  # noqa: E402
 from distkit.comm import CollectiveLog  # noqa: E402
-
-TORCH = tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
-if TORCH < (2, 11):
-    sys.exit(f"train_llama.py: needs torch >= 2.11 (FSDP2, DCP's async stager); this is torch "
-             f"{torch.__version__}: pip install 'torch>=2.11' (the course pins 2.13.0)")
 
 # Llama architectures (transformers LlamaConfig fields); the vocabulary comes from the tokenizer.
 PRESETS = {
