@@ -107,6 +107,18 @@ def test_record_tells_other_programs_load_from_its_own():
     subprocess.run(["sh", "-c", '"$0" -c "$1" &', sys.executable, SPIN.format(1.2)], check=True)
     time.sleep(1.5)
     watch.stop()
-    (_, _, own0, _), (_, _, own1, foreign1) = watch.rows
+    watch.start(2)  # a cell of a few ms: too short to judge on its own (ticks of 10 ms)
+    watch.stop()
+    (_, _, own0, _), (_, _, own1, foreign1), _ = watch.rows
     assert own0 > 0.8, watch.rows  # the waited-for child's CPU counts as the recording's own
-    assert own1 < 0.3 and [r[0] for r in watch.busy_cells()][-1:] == [1], watch.rows
+    assert own1 < 0.3 and [r[0] for r in watch.busy_cells()] == [1], watch.rows
+    assert watch.foreign_cores() > 0.2, watch.rows  # the spin, over all three cells
+
+
+def test_record_does_not_judge_a_cell_too_short_to_measure():
+    """A cell of a few milliseconds with one tick of another process's CPU would read as
+    "2 cores busy" (the whole course was refused so on an idle machine): it is not named."""
+    from distkit.course.record import LoadWatch
+    watch = LoadWatch()
+    watch.rows = [(0, 0.005, 0.0, 2.0), (1, 30.0, 25.0, 0.01)]
+    assert watch.busy_cells() == [] and watch.foreign_cores() < 0.5
