@@ -85,7 +85,7 @@ print(f"2. the router on {x.shape[0]} tokens: logits {tuple(logits.shape)}; toke
 print(f"   (token, expert) pairs per expert: {load} (of {x.shape[0] * k}; even: "
       f"{x.shape[0] * k // E} each)")
 seen["router_margin"] = topk_margin(logits, k)
-print(f"   no near-tie: each token's choices no. {k} and {k + 1} differ by >= {MARGIN:.0e} in "
+print(f"   no near-tie: no token's choices no. {k} and {k + 1} lie within {MARGIN:.0e} in "
       f"logit (these counts are the same on any CPU): {seen['router_margin'] >= MARGIN}")
 
 with torch.no_grad():

@@ -147,7 +147,7 @@ print0(f"loss (mean over the ranks) vs one process: |difference| < {LOSS_TOL:.0e
 for i, load in enumerate(loads):
     print0(f"layer {i}: (token, expert) pairs per expert {load} (of {N * T * k}; "
            f"even would be {N * T * k // E} each)")
-print0(f"no near-tie: each token's choices no. {k} and {k + 1} differ by >= {MARGIN:.0e} in "
+print0(f"no near-tie: no token's choices no. {k} and {k + 1} lie within {MARGIN:.0e} in "
        f"logit (these counts are the same on any CPU): {margin.item() >= MARGIN}")
 print_ranks("rows sent to rank 0, 1, ... per layer: "
             + "; ".join(str(s) for s in sent)

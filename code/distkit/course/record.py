@@ -11,7 +11,7 @@ machine's busy CPU-seconds from /proc/stat, less those of this recorder, the ker
 process they started) and how much the cell itself used. A cell during which others kept more
 than FOREIGN_LIMIT cores busy is named, and the recording is refused: the notebook is left as
 it was, unless --allow-load (a draft, to be re-recorded on an idle machine). Before it starts,
-the 1-minute load average must not exceed the core count.
+others may not keep more than FOREIGN_LIMIT cores busy for a second.
 
 Linux only (/proc/stat); elsewhere it records without the check and says so.
 
@@ -147,10 +147,15 @@ def record(path: Path, allow_load: bool = False, timeout: int = 900) -> int:
     import nbformat
     from nbclient import NotebookClient
 
-    cores = os.cpu_count() or 1
-    if hasattr(os, "getloadavg") and os.getloadavg()[0] > cores and not allow_load:
-        print(f"record: the 1-minute load average is {os.getloadavg()[0]:.1f} on {cores} cores: "
-              "wait for an idle machine (or --allow-load for a draft)", file=sys.stderr)
+    # Before it starts, one second of the machine with this recorder idle: all that is busy is
+    # others'. (Not the load average: it still holds the previous notebook's own launches.)
+    probe = LoadWatch()
+    probe.start(-1)
+    time.sleep(1.0)
+    probe.stop()
+    if probe.foreign_cores() > FOREIGN_LIMIT and not allow_load:
+        print(f"record: other processes keep {probe.foreign_cores():.1f} cores busy: wait for an "
+              "idle machine (or --allow-load for a draft)", file=sys.stderr)
         return 1
     nb = nbformat.read(path, as_version=4)
     watch = LoadWatch()
