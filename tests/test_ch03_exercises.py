@@ -8,7 +8,8 @@ solution at 2 ranks (losses and weights = one process, weights identical on ever
 rank's AdamW state = one shard's 8 S + 4 bytes, asserted under nbval); tests/test_exercises.py
 checks the untouched starter; --help and bad input run in this process (argparse stops the
 scripts before setup()). `make test-nproc` (marker second_nproc): the solution and the other
-wrong answers at 3 ranks.
+wrong answers at 3 ranks (among them an all-reduce and a slice: the right numbers, DDP's
+sync; the checker counts each step's collectives).
 """
 import pytest
 
@@ -37,6 +38,11 @@ def checks(tmp_path_factory):
         # AdamW over the whole model, not the shard: state for Psi values (and nothing to step)
         "whole_optimizer": ("03.1", ("optimizer = torch.optim.AdamW([shard], lr=args.lr)",
                                      "optimizer = torch.optim.AdamW(params, lr=args.lr)")),
+        # DDP's sync, then a slice: the same numbers, but no reduce-scatter (the collectives say)
+        "all_reduce_slice": ("03.1", [
+            ("shard.grad = torch.empty_like(shard.detach())",
+             "dist.all_reduce(flat_grad)\nshard.grad = flat_grad[lo:hi].clone()"),
+            ("dist.reduce_scatter_single(shard.grad, flat_grad, op=dist.ReduceOp.SUM)", None)]),
     }, tmp_path_factory.mktemp("ch03_ex"), nprocs="largest")
 
 
@@ -60,7 +66,8 @@ def test_solution_passes(checks):
         "789,076)",
         "PASS [3 ranks] losses = one process's at every step (< 1e-04)",
         "PASS [3 ranks] weights after the last step = one process's",
-        "PASS [3 ranks] weights identical on every rank"]
+        "PASS [3 ranks] weights identical on every rank",
+        "PASS [3 ranks] each step syncs with one reduce-scatter and one all-gather"]
     (_, res, _), = runs
     assert res["world_size"] == 3 and res["optimizer_tensors_held"] == 1
 
@@ -77,6 +84,13 @@ def test_wrong_answers_are_named(checks):
     assert not ok
     assert lines[-1] == ("FAIL [3 ranks] AdamW state per rank is [0, 0, 0] bytes, not 8 x S + 4 "
                          "= 263,004: is the optimizer built over the shard alone?")
+    ok, lines, _ = checks["all_reduce_slice"]
+    assert not ok
+    assert lines[-2] == "PASS [3 ranks] weights identical on every rank"  # the same numbers
+    assert lines[-1] == ("FAIL [3 ranks] a step's collectives are {'all-reduce': 1, 'all-gather': "
+                         "1}, not one reduce-scatter and one all-gather: an all-reduce of the "
+                         "whole gradient, then a slice, is DDP's sync; ZeRO-1 reduce-scatters it "
+                         "(dist.reduce_scatter_single)")
 
 
 # --- arguments: --help, bad input (in this process: argparse exits before setup) ---------------

@@ -35,6 +35,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.utils import parameters_to_vector
 
 from distkit import (print0, print_ranks, same_on_all_ranks, seed_everything, setup, teardown,
@@ -114,27 +115,32 @@ single_grad = torch.cat([single_grad, pad])
 # Tensor.requires_grad_.
 todo("pick this rank's shard of flat (lo, hi, shard) and build the AdamW over it alone")
 
-losses = []
+losses, step_collectives = [], []  # per step: {collective: calls}
 for step in range(args.steps):
     rows = batches[step, env.rank * b:(env.rank + 1) * b]  # this rank's part of the batch
     loss = model(input_ids=rows, labels=rows).loss
     loss.backward()
     flat_grad = torch.cat([p.grad.reshape(-1) for p in params] + [pad])
     model.zero_grad()
-    # TODO(you): shard.grad must hold this rank's slice of flat_grad summed over all ranks, divided
-    # into the mean the one-process loss stands for. One collective does the sum and the slicing:
-    # dist.reduce_scatter_single (formerly reduce_scatter_tensor;
-    # torch/distributed/distributed_c10d.py).
-    todo("reduce-scatter flat_grad into shard.grad, then divide it by N")
-    if step == 0:  # the check: this rank's slice of the synced gradient against one process's
-        grad_check = gap_to(single_grad[lo:hi], shard.grad)
-    optimizer.step()  # AdamW on S values: the only place this rank's optimizer state lives
-    optimizer.zero_grad()
-    # TODO(you): every rank needs every rank's updated shard in its flat copy, then the model's
-    # parameters must hold those values for the next forward (without autograd seeing the copy).
-    # Look up: dist.all_gather_single (formerly all_gather_into_tensor), Tensor.split, Tensor.copy_,
-    # torch.no_grad.
-    todo("all-gather the updated shards into flat, then into the parameters")
+    # Count this step's collectives (chapter 04's CommDebugMode): ZeRO-1 syncs with one
+    # reduce-scatter and one all-gather, DDP's bytes; an all-reduce here would be DDP's sync.
+    with CommDebugMode() as comm:
+        # TODO(you): shard.grad must hold this rank's slice of flat_grad summed over all ranks,
+        # divided into the mean the one-process loss stands for. One collective does the sum and the
+        # slicing: dist.reduce_scatter_single (formerly reduce_scatter_tensor;
+        # torch/distributed/distributed_c10d.py).
+        todo("reduce-scatter flat_grad into shard.grad, then divide it by N")
+        if step == 0:  # the check: this rank's slice of the synced gradient against one process's
+            grad_check = gap_to(single_grad[lo:hi], shard.grad)
+        optimizer.step()  # AdamW on S values: the only place this rank's optimizer state lives
+        optimizer.zero_grad()
+        # TODO(you): every rank needs every rank's updated shard in its flat copy, then the model's
+        # parameters must hold those values for the next forward (without autograd seeing the copy).
+        # Look up: dist.all_gather_single (formerly all_gather_into_tensor), Tensor.split,
+        # Tensor.copy_, torch.no_grad.
+        todo("all-gather the updated shards into flat, then into the parameters")
+    step_collectives.append({str(op).split(".")[-1]: n
+                             for op, n in comm.get_comm_counts().items()})
     loss = loss.detach()
     dist.all_reduce(loss)  # for the log: the mean over all ranks' sequences
     losses.append(loss.item() / N)
@@ -167,7 +173,7 @@ write_json(args.json, {
     "losses": losses, "single_losses": single_losses,
     "max_loss_diff": max_loss_diff, "max_weight_diff": max_weight_diff,
     "tolerances": {"loss": LOSS_TOL, "weight": WEIGHT_TOL, "grad": GRAD_TOL},
-    "grad_checks": grad_checks,
+    "grad_checks": grad_checks, "step_collectives": step_collectives,
     "parity": max_loss_diff < LOSS_TOL and max_weight_diff < WEIGHT_TOL,
     "optimizer_state_bytes": per_rank, "optimizer_tensors_held": len(optimizer.state),
     "single_optimizer_state_bytes": single_state, "ratio": ratio, "identical": identical})

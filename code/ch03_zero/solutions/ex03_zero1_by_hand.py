@@ -34,6 +34,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.utils import parameters_to_vector
 
 from distkit import (print0, print_ranks, same_on_all_ranks, seed_everything, setup, teardown,
@@ -117,40 +118,45 @@ shard = flat[lo:hi].clone().requires_grad_()  # a leaf of its own: this rank's f
 optimizer = torch.optim.AdamW([shard], lr=args.lr)  # state for S values only
 ### END SOLUTION
 
-losses = []
+losses, step_collectives = [], []  # per step: {collective: calls}
 for step in range(args.steps):
     rows = batches[step, env.rank * b:(env.rank + 1) * b]  # this rank's part of the batch
     loss = model(input_ids=rows, labels=rows).loss
     loss.backward()
     flat_grad = torch.cat([p.grad.reshape(-1) for p in params] + [pad])
     model.zero_grad()
-    ### BEGIN SOLUTION: reduce-scatter flat_grad into shard.grad, then divide it by N
-    ### HINT shard.grad must hold this rank's slice of flat_grad summed over all ranks, divided
-    ### HINT into the mean the one-process loss stands for. One collective does the sum and the
-    ### HINT slicing: dist.reduce_scatter_single (formerly reduce_scatter_tensor;
-    ### HINT torch/distributed/distributed_c10d.py).
-    # Sum over ranks, keep only this rank's slice (formerly dist.reduce_scatter_tensor; gloo
-    # has it). Then sum -> mean, as the single process's loss is a mean over the global batch.
-    shard.grad = torch.empty_like(shard.detach())
-    dist.reduce_scatter_single(shard.grad, flat_grad, op=dist.ReduceOp.SUM)
-    shard.grad /= N
-    ### END SOLUTION
-    if step == 0:  # the check: this rank's slice of the synced gradient against one process's
-        grad_check = gap_to(single_grad[lo:hi], shard.grad)
-    optimizer.step()  # AdamW on S values: the only place this rank's optimizer state lives
-    optimizer.zero_grad()
-    ### BEGIN SOLUTION: all-gather the updated shards into flat, then into the parameters
-    ### HINT every rank needs every rank's updated shard in its flat copy, then the model's
-    ### HINT parameters must hold those values for the next forward (without autograd seeing the
-    ### HINT copy). Look up: dist.all_gather_single (formerly all_gather_into_tensor),
-    ### HINT Tensor.split, Tensor.copy_, torch.no_grad.
-    # Every rank's updated slice, to every rank (formerly dist.all_gather_into_tensor), then
-    # back into the model's parameters for the next forward.
-    dist.all_gather_single(flat, shard.detach())
-    with torch.no_grad():
-        for p, new in zip(params, flat[:psi].split(sizes)):
-            p.copy_(new.view_as(p))
-    ### END SOLUTION
+    # Count this step's collectives (chapter 04's CommDebugMode): ZeRO-1 syncs with one
+    # reduce-scatter and one all-gather, DDP's bytes; an all-reduce here would be DDP's sync.
+    with CommDebugMode() as comm:
+        ### BEGIN SOLUTION: reduce-scatter flat_grad into shard.grad, then divide it by N
+        ### HINT shard.grad must hold this rank's slice of flat_grad summed over all ranks, divided
+        ### HINT into the mean the one-process loss stands for. One collective does the sum and the
+        ### HINT slicing: dist.reduce_scatter_single (formerly reduce_scatter_tensor;
+        ### HINT torch/distributed/distributed_c10d.py).
+        # Sum over ranks, keep only this rank's slice (formerly dist.reduce_scatter_tensor; gloo
+        # has it). Then sum -> mean, as the single process's loss is a mean over the global batch.
+        shard.grad = torch.empty_like(shard.detach())
+        dist.reduce_scatter_single(shard.grad, flat_grad, op=dist.ReduceOp.SUM)
+        shard.grad /= N
+        ### END SOLUTION
+        if step == 0:  # the check: this rank's slice of the synced gradient against one process's
+            grad_check = gap_to(single_grad[lo:hi], shard.grad)
+        optimizer.step()  # AdamW on S values: the only place this rank's optimizer state lives
+        optimizer.zero_grad()
+        ### BEGIN SOLUTION: all-gather the updated shards into flat, then into the parameters
+        ### HINT every rank needs every rank's updated shard in its flat copy, then the model's
+        ### HINT parameters must hold those values for the next forward (without autograd seeing the
+        ### HINT copy). Look up: dist.all_gather_single (formerly all_gather_into_tensor),
+        ### HINT Tensor.split, Tensor.copy_, torch.no_grad.
+        # Every rank's updated slice, to every rank (formerly dist.all_gather_into_tensor), then
+        # back into the model's parameters for the next forward.
+        dist.all_gather_single(flat, shard.detach())
+        with torch.no_grad():
+            for p, new in zip(params, flat[:psi].split(sizes)):
+                p.copy_(new.view_as(p))
+        ### END SOLUTION
+    step_collectives.append({str(op).split(".")[-1]: n
+                             for op, n in comm.get_comm_counts().items()})
     loss = loss.detach()
     dist.all_reduce(loss)  # for the log: the mean over all ranks' sequences
     losses.append(loss.item() / N)
@@ -183,7 +189,7 @@ write_json(args.json, {
     "losses": losses, "single_losses": single_losses,
     "max_loss_diff": max_loss_diff, "max_weight_diff": max_weight_diff,
     "tolerances": {"loss": LOSS_TOL, "weight": WEIGHT_TOL, "grad": GRAD_TOL},
-    "grad_checks": grad_checks,
+    "grad_checks": grad_checks, "step_collectives": step_collectives,
     "parity": max_loss_diff < LOSS_TOL and max_weight_diff < WEIGHT_TOL,
     "optimizer_state_bytes": per_rank, "optimizer_tensors_held": len(optimizer.state),
     "single_optimizer_state_bytes": single_state, "ratio": ratio, "identical": identical})

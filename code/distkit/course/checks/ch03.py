@@ -33,3 +33,17 @@ def zero1(run):
            f"weights differ from one process's by {res['max_weight_diff']:.1e} after the last step")
     yield (res["identical"], "weights identical on every rank",
            "the ranks' weights differ after training: is every shard all-gathered back?")
+    # Last, the sync itself: an all-reduce of the whole gradient, then a slice, passes every check
+    # above (DDP's sync, the same numbers) but is not ZeRO-1's reduce-scatter. c10d's op names,
+    # either API (tensor or list):
+    kinds = {"_reduce_scatter_base_": "reduce-scatter", "reduce_scatter_": "reduce-scatter",
+             "_allgather_base_": "all-gather", "allgather_": "all-gather",
+             "allreduce_": "all-reduce"}
+    steps = [{kinds.get(op, op): n for op, n in c.items()} for c in res["step_collectives"]]
+    want = {"reduce-scatter": 1, "all-gather": 1}
+    yield (all(c == want for c in steps),
+           "each step syncs with one reduce-scatter and one all-gather",
+           f"a step's collectives are {steps[0]}, not one reduce-scatter and one all-gather"
+           + (": an all-reduce of the whole gradient, then a slice, is DDP's sync; ZeRO-1 "
+              "reduce-scatters it (dist.reduce_scatter_single)"
+              if any("all-reduce" in c for c in steps) else ""))
