@@ -87,8 +87,9 @@ record: setup
 	@[ -n "$(NB)" ] || { echo "make record: say which notebook, e.g. make record NB=04" >&2; exit 2; }
 	$(BIN)/python -m distkit.course.record $(wildcard notebooks/$(NB)_*.ipynb notebooks/$(NB))
 
-# Every notebook once more under papermill at another process count (3; 4 for ch. 02): minutes each,
-# so kept out of `make test`'s budget; CI (.ci/run, the GitHub workflow) runs both.
+# Every notebook once more under papermill at another process count (3; 4 for ch. 02), scripts and
+# exercises at 3-4 ranks, and the exercises' wrong answers beyond the one `make test` keeps each:
+# kept out of `make test`'s budget; CI (.ci/run, the GitHub workflow) runs both.
 test-nproc: setup
 	$(BIN)/python -m pytest -m second_nproc tests
 

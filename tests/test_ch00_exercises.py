@@ -2,9 +2,10 @@
 copied over its starter, passes; each wrong answer a learner plausibly writes fails with the line
 that points at the mistake.
 
-`make test`: nine wrong answers at 2 ranks, launched side by side (each launch imports torch only:
-~4 CPU-s for 2 ranks; 00.3's checker launches twice, a size N divides and one it does not).
-`make test-nproc` (marker second_nproc): the solutions at 3 ranks. tests/test_ch00_scripts.py runs
+`make test`: each exercise's headline wrong answer and a launch error's line at 2 ranks, launched
+side by side (each launch imports torch only: ~4 CPU-s for 2 ranks; 00.3's checker launches
+twice, a size N divides and one it does not). `make test-nproc` (marker second_nproc): the five
+other wrong answers at 2 ranks, the solutions at 3 ranks. tests/test_ch00_scripts.py runs
 each starter to its first TODO; tests/test_exercises.py checks the untouched starters.
 """
 import pytest
@@ -17,26 +18,35 @@ S = 1024 * 4  # 00.1's tensor, in bytes (--numel 1024 float32)
 
 @pytest.fixture(scope="module")
 def wrong(tmp_path_factory):
-    """make test: the wrong answers at 2 ranks."""
+    """make test: each exercise's headline wrong answer at 2 ranks, and an error's line."""
     return check_at_once({
-        # 00.1: rank 0 drops what it receives / does not count what it sends / the others
-        # receive the sum into x, not into total
+        # 00.1: rank 0 drops what it receives
         "naive_no_sum": ("00.1", ("total += buf", None)),
-        "naive_sends_uncounted": ("00.1", ("        sent += size", None)),
-        "naive_recv_into_x": ("00.1", ("dist.recv(total, src=0)", "dist.recv(x, src=0)")),
-        # 00.2: (b) computed as (a) / (a) summed but not divided by N
+        # 00.2: (b) computed as (a)
         "mean_of_means": ("00.2", ("exact = (stats[0] / stats[1]).item()",
                                    "exact = mean_of_means.item()")),
-        "means_not_divided": ("00.2", ("mean_of_means /= env.world_size", None)),
         # a name never defined: the launch fails, and the line names where
         "mean_name_error": ("00.2", ("exact = (stats[0] / stats[1]).item()",
                                      "exact = (stats[0] / count).item()")),
-        # 00.3: the ceiling off by one where N divides numel / rounded down / padding left on
+        # 00.3: the ceiling off by one where N divides numel
         "halves_off_by_one": ("00.3", ("shard = -(-args.numel // n)",
                                        "shard = args.numel // n + 1")),
+    }, tmp_path_factory.mktemp("ch00_wrong"))
+
+
+@pytest.fixture(scope="module")
+def more_wrong(tmp_path_factory):
+    """make test-nproc: the other wrong answers, still at 2 ranks."""
+    return check_at_once({
+        # 00.1: rank 0 does not count what it sends / the others receive the sum into x
+        "naive_sends_uncounted": ("00.1", ("        sent += size", None)),
+        "naive_recv_into_x": ("00.1", ("dist.recv(total, src=0)", "dist.recv(x, src=0)")),
+        # 00.2: (a) summed but not divided by N
+        "means_not_divided": ("00.2", ("mean_of_means /= env.world_size", None)),
+        # 00.3: rounded down / padding left on
         "halves_floor": ("00.3", ("shard = -(-args.numel // n)", "shard = args.numel // n")),
         "halves_padding_kept": ("00.3", ("total = gathered[:args.numel]", "total = gathered")),
-    }, tmp_path_factory.mktemp("ch00_wrong"))
+    }, tmp_path_factory.mktemp("ch00_more_wrong"))
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +78,17 @@ def test_naive_without_the_sum_is_named(wrong):
         "total")
 
 
-def test_naive_sum_received_elsewhere_is_named(wrong):
-    assert failed(wrong, "naive_recv_into_x") == (
+@pytest.mark.second_nproc
+def test_naive_sum_received_elsewhere_is_named(more_wrong):
+    assert failed(more_wrong, "naive_recv_into_x") == (
         "FAIL [2 ranks] the result differs from dist.all_reduce's on ranks [1]: rank 0 must "
         "add up all N tensors and send that sum to every other rank, which receives it into "
         "total")
 
 
-def test_naive_uncounted_sends_are_named(wrong):
-    assert failed(wrong, "naive_sends_uncounted") == (
+@pytest.mark.second_nproc
+def test_naive_uncounted_sends_are_named(more_wrong):
+    assert failed(more_wrong, "naive_sends_uncounted") == (
         f"FAIL [2 ranks] bytes sent per rank are [0, {S}], expected [{S}, {S}]: count S = "
         f"{S:,} bytes for every tensor a rank sends or receives")
 
@@ -90,8 +102,9 @@ def test_mean_of_means_is_named(wrong):
                          "samples: all_reduce every rank's sum and count, then divide")
 
 
-def test_means_not_divided_is_named(wrong):
-    line = failed(wrong, "means_not_divided")
+@pytest.mark.second_nproc
+def test_means_not_divided_is_named(more_wrong):
+    line = failed(more_wrong, "means_not_divided")
     assert line.startswith("FAIL [2 ranks] mean_of_means = ")
     assert line.endswith("2x the average of the ranks' means: is the sum divided by N?")
 
@@ -114,8 +127,9 @@ def test_halves_off_by_one_is_named(wrong):
         "per rank that hold 1002 between 2 ranks is 501 (rounded up, not down + 1)")
 
 
-def test_halves_rounded_down_is_named(wrong):
-    ok, lines, _ = wrong["halves_floor"]
+@pytest.mark.second_nproc
+def test_halves_rounded_down_is_named(more_wrong):
+    ok, lines, _ = more_wrong["halves_floor"]
     assert not ok
     assert "PASS [2 ranks] numel 1002: shard = ceil(1002 / 2) = 501 elements, padding 0" in lines
     assert lines[-1].startswith("FAIL [2 ranks] numel 1001: the launch failed: RuntimeError: "
@@ -123,8 +137,9 @@ def test_halves_rounded_down_is_named(wrong):
     assert lines[-1].endswith(": shard x N must hold all 1001 elements (round up)")
 
 
-def test_halves_with_the_padding_left_on_is_named(wrong):
-    assert failed(wrong, "halves_padding_kept") == (
+@pytest.mark.second_nproc
+def test_halves_with_the_padding_left_on_is_named(more_wrong):
+    assert failed(more_wrong, "halves_padding_kept") == (
         "FAIL [2 ranks] numel 1001: the result differs from dist.all_reduce's (its size, or its "
         "values): is the padding cut off?")
 

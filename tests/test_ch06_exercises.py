@@ -4,14 +4,13 @@ corrupted on one rank stops every rank at that step, before the optimizer step a
 with a failed job; a guard that decides on each rank's own numbers is named; arguments and bad
 input.
 
-Budget of `make test`: three 2-rank launches at once (the solution, the wrong answer the
-exercise is about, and a guard that stops with status 0), ~10 CPU-s each, most of it importing
-torch and transformers. At 4 ranks (a 2 x 2 mesh), the solution and three wrong answers: `make
-test-nproc`. The untouched starter's
-first TODO is tests/test_exercises.py's (no launch). --help and bad input run in this process:
-argparse stops the scripts before setup(). Measured by hand (`--file`, 2 ranks): the guard below
-optimizer.step() fails with "weights hold a NaN on ranks [1]: the optimizer stepped on the
-corrupted gradient".
+Budget of `make test`: two 2-rank launches at once (the solution and the wrong answer the exercise
+is about), ~10 CPU-s each, most of it importing torch and transformers. `make test-nproc`: a guard
+that stops with status 0 and a sum for the mean at 2 ranks; at 4 ranks (a 2 x 2 mesh), the solution
+and three wrong answers. The untouched starter's first TODO is tests/test_exercises.py's (no
+launch). --help and bad input run in this process: argparse stops the scripts before setup().
+Measured by hand (`--file`, 2 ranks): the guard below optimizer.step() fails with "weights hold a
+NaN on ranks [1]: the optimizer stepped on the corrupted gradient".
 """
 import pytest
 
@@ -36,11 +35,16 @@ STEP_THEN_STOP = ("report(step)", "optimizer.step()\nreport(step)")
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    """make test: the solution, the rank-local verdict, a status 0 and a sum for a mean at 2 ranks
-    (2 x 1)."""
-    return check_at_once({"solution": ("06.1", None), "local_verdict": ("06.1", LOCAL_VERDICT),
-                          "exit_0": ("06.1", EXIT_0), "no_mean": ("06.1", NO_MEAN)},
+    """make test: the solution and the rank-local verdict at 2 ranks (2 x 1)."""
+    return check_at_once({"solution": ("06.1", None), "local_verdict": ("06.1", LOCAL_VERDICT)},
                          tmp_path_factory.mktemp("ch06_ex"))
+
+
+@pytest.fixture(scope="module")
+def more_wrong(tmp_path_factory):
+    """make test-nproc: a status 0 and a sum for a mean, still at 2 ranks."""
+    return check_at_once({"exit_0": ("06.1", EXIT_0), "no_mean": ("06.1", NO_MEAN)},
+                         tmp_path_factory.mktemp("ch06_more_wrong"))
 
 
 @pytest.fixture(scope="module")
@@ -75,20 +79,22 @@ def test_a_rank_local_verdict_is_named(checks):
                          "every rank shares")
 
 
-def test_a_stop_with_status_0_is_named(checks):
+@pytest.mark.second_nproc
+def test_a_stop_with_status_0_is_named(more_wrong):
     """The run stopped where it should, without saving, but exits 0: torchrun and Slurm call it
     a success (and a requeue-on-failure policy would not even see it)."""
-    ok, lines, _ = checks["exit_0"]
+    ok, lines, _ = more_wrong["exit_0"]
     assert not ok
     assert lines[-1] == ("FAIL [2 ranks] the launch ended with exit status 0 after the guard "
                          "stopped it: a scheduler would call the run a success; the ranks' "
                          "status is not 3")
 
 
-def test_a_sum_for_the_mean_is_named(checks):
+@pytest.mark.second_nproc
+def test_a_sum_for_the_mean_is_named(more_wrong):
     """The all-reduced loss not divided by N: the losses are exactly N x one process's, and the
     line says so (instructor review N12)."""
-    ok, lines, _ = checks["no_mean"]
+    ok, lines, _ = more_wrong["no_mean"]
     assert not ok
     assert lines[-1].endswith("2x: is the all-reduced loss divided by the N ranks?"), lines[-1]
 

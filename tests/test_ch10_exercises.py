@@ -1,7 +1,8 @@
 """Chapter 10's exercises through their checker: each solution passes, and plausible wrong answers
 fail with a line that names the mistake (tests/test_exercises.py checks every starter's first
 TODO and that starters are generated). One process per check (about 4 CPU-s each: importing
-torch), all at once."""
+torch), all at once: the solutions and one wrong answer each in `make test`, the others in
+`make test-nproc`."""
 import pytest
 
 exercise = pytest.importorskip("distkit.course.exercise")  # the checker (make exercise)
@@ -33,13 +34,25 @@ EXPECT = {"inverted": "inverted (amax / 448)?", "no abs": "is amax taken of |x|"
           "B costs 1": "the costs?"}
 
 
-def test_solutions_pass_and_wrong_answers_fail(tmp_path):
-    jobs = {"10.1": ("10.1", None), "10.2": ("10.2", None), **WRONG}
+HEADLINE = ("inverted", "no waiting")  # make test; the other wrong answers: make test-nproc
+
+
+def test_solutions_pass_and_headline_wrong_answers_fail(tmp_path):
+    jobs = {"10.1": ("10.1", None), "10.2": ("10.2", None),
+            **{name: WRONG[name] for name in HEADLINE}}
     runs = exercise.check_at_once(jobs, tmp_path, nprocs=(1,))
     for ex in ("10.1", "10.2"):
         ok, lines, _ = runs[ex]
         assert ok, lines
-    for name, expected in EXPECT.items():
+    for name in HEADLINE:
         ok, lines, _ = runs[name]
-        assert not ok and expected in lines[-1], (name, lines)
+        assert not ok and EXPECT[name] in lines[-1], (name, lines)
+
+
+@pytest.mark.second_nproc
+def test_other_wrong_answers_fail(tmp_path):
+    runs = exercise.check_at_once({n: w for n, w in WRONG.items() if n not in HEADLINE},
+                                  tmp_path, nprocs=(1,))
+    for name, (ok, lines, _) in runs.items():
+        assert not ok and EXPECT[name] in lines[-1], (name, lines)
 

@@ -1,8 +1,10 @@
 """Chapter 10's lesson scripts, run directly at settings the notebook does not use: float8
 training with torch's kernel, three schedules at 6 micro-batches, the 3-D script on a
-(pp 2, dp 2, tp 1) mesh with 3 micro-batches; and each script's bad input, one line and exit 2
-(in this process: nothing launched). About 45 CPU-s."""
+(pp 2, dp 2, tp 1) mesh with 3 micro-batches (4 processes: `make test-nproc`); and each
+script's bad input, one line and exit 2 (in this process: nothing launched)."""
 import json
+
+import pytest
 
 from conftest import run_in_process, run_json, run_scripts_at_once
 from distkit.schedules import actions, one_f_one_b
@@ -42,6 +44,7 @@ def test_schedules_match_one_process_and_run_their_lists(tmp_path):
         != actions("1F1B", 2, 6)[1]  # torch's published 1F1B list for the last stage is off
 
 
+@pytest.mark.second_nproc  # 4 processes: make test-nproc
 def test_mesh3d_on_another_mesh_counts_by_the_formulas(tmp_path):
     res, out = run_json(tmp_path, 4, MESH3D, "--pp", 2, "--dp", 2, "--tp", 1,
                         "--microbatches", 3, "--batch-size", 12)
