@@ -43,6 +43,15 @@ def checks(tmp_path_factory):
             ("shard.grad = torch.empty_like(shard.detach())",
              "dist.all_reduce(flat_grad)\nshard.grad = flat_grad[lo:hi].clone()"),
             ("dist.reduce_scatter_single(shard.grad, flat_grad, op=dist.ReduceOp.SUM)", None)]),
+        # right, in torch's functional collectives: counted as the same reduce-scatter/all-gather
+        "functional": ("03.1", [
+            ("shard.grad = torch.empty_like(shard.detach())",
+             "import torch.distributed._functional_collectives as funcol\n"
+             "shard.grad = funcol.reduce_scatter_tensor(flat_grad, 'sum', 0, dist.group.WORLD)"
+             ".wait()"),
+            ("dist.reduce_scatter_single(shard.grad, flat_grad, op=dist.ReduceOp.SUM)", None),
+            ("dist.all_gather_single(flat, shard.detach())",
+             "flat = funcol.all_gather_tensor(shard.detach(), 0, dist.group.WORLD).wait()")]),
     }, tmp_path_factory.mktemp("ch03_ex"), nprocs="largest")
 
 
@@ -57,9 +66,9 @@ def test_the_sum_not_divided_is_named(wrong):
 
 @pytest.mark.second_nproc
 def test_solution_passes(checks):
-    ok, lines, runs = checks["solution"]
-    assert ok, lines
-    assert lines[1:] == [
+    ok, lines_of_solution, runs = checks["solution"]
+    assert ok, lines_of_solution
+    assert lines_of_solution[1:] == [
         "PASS [3 ranks] this rank's slice of the gradient after step 1 = one process's (< 1e-04 "
         "of the largest), on every rank",
         "PASS [3 ranks] each rank's AdamW state = 8 x S + 4 = 263,004 bytes (one process: "
@@ -70,6 +79,8 @@ def test_solution_passes(checks):
         "PASS [3 ranks] each step syncs with one reduce-scatter and one all-gather"]
     (_, res, _), = runs
     assert res["world_size"] == 3 and res["optimizer_tensors_held"] == 1
+    ok, lines, _ = checks["functional"]  # the same sync in another API passes
+    assert ok and lines[-1] == lines_of_solution[-1], lines
 
 
 @pytest.mark.second_nproc
@@ -87,7 +98,7 @@ def test_wrong_answers_are_named(checks):
     ok, lines, _ = checks["all_reduce_slice"]
     assert not ok
     assert lines[-2] == "PASS [3 ranks] weights identical on every rank"  # the same numbers
-    assert lines[-1] == ("FAIL [3 ranks] a step's collectives are {'all-reduce': 1, 'all-gather': "
+    assert lines[-1] == ("FAIL [3 ranks] step 1's collectives are {'all-reduce': 1, 'all-gather': "
                          "1}, not one reduce-scatter and one all-gather: an all-reduce of the "
                          "whole gradient, then a slice, is DDP's sync; ZeRO-1 reduce-scatters it "
                          "(dist.reduce_scatter_single)")

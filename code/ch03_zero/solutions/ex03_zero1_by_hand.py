@@ -125,8 +125,8 @@ for step in range(args.steps):
     loss.backward()
     flat_grad = torch.cat([p.grad.reshape(-1) for p in params] + [pad])
     model.zero_grad()
-    # Count this step's collectives (chapter 04's CommDebugMode): ZeRO-1 syncs with one
-    # reduce-scatter and one all-gather, DDP's bytes; an all-reduce here would be DDP's sync.
+    # Counts this step's collectives for the checker (torch's CommDebugMode, met in chapter 02):
+    # your code goes inside the block; leave the block as it is.
     with CommDebugMode() as comm:
         ### BEGIN SOLUTION: reduce-scatter flat_grad into shard.grad, then divide it by N
         ### HINT shard.grad must hold this rank's slice of flat_grad summed over all ranks, divided
