@@ -14,7 +14,7 @@ sync; the checker counts each step's collectives).
 import pytest
 
 from conftest import check_same_options, run_in_process
-from distkit.course.exercise import check_at_once
+from distkit.course.exercise import check_at_once, load_registry
 
 EX = "ch03_zero/{}/ex03_zero1_by_hand.py"
 NAME = "ex03_zero1_by_hand.py"
@@ -81,6 +81,14 @@ def test_solution_passes(checks):
     assert res["world_size"] == 3 and res["optimizer_tensors_held"] == 1
     ok, lines, _ = checks["functional"]  # the same sync in another API passes
     assert ok and lines[-1] == lines_of_solution[-1], lines
+    # a learner's file from before the count: every number right, one FAIL line, no KeyError
+    old = {k: v for k, v in res.items() if k != "step_collectives"}
+    run = lambda *args: old  # noqa: E731 (the checker's launcher, answered from the result)
+    run.nproc = 3
+    *numbers, last = load_registry()["03.1"].checks(run)
+    assert all(ok for ok, _, _ in numbers) and not last[0]
+    assert last[2].startswith("this file does not count its collectives: copy the `with "
+                              "CommDebugMode() as comm:` block")
 
 
 @pytest.mark.second_nproc
