@@ -6,6 +6,8 @@ from machine to machine); here the messages are asserted. Three launches run at 
 the uneven all-gather without DETAIL (gloo's own size check). The crash and the flight-recorder
 dumps are compared cells of the notebook.
 """
+import contextlib
+import io
 import json
 import re
 import subprocess
@@ -53,9 +55,12 @@ def failures(tmp_path_factory):
 
     def run_hang():  # as the notebook runs it: py-spy reads the stacks while the ranks wait
         t0 = time.monotonic()
-        notebook.launch(2, SCRIPT, "--bug", "save", "--timeout", TIMEOUT, "--out", tmp,
-                        "--fr-dir", tmp / "fr", expect_failure=True, stacks_when=r"^step 2:")
-        hang.update(seconds=time.monotonic() - t0, stacks=notebook.launch.stacks)
+        shown = io.StringIO()  # what the notebook's cell shows (this thread alone prints)
+        with contextlib.redirect_stdout(shown):
+            notebook.launch(2, SCRIPT, "--bug", "save", "--timeout", TIMEOUT, "--out", tmp,
+                            "--fr-dir", tmp / "fr", expect_failure=True, stacks_when=r"^step 2:")
+        hang.update(seconds=time.monotonic() - t0, stacks=notebook.launch.stacks,
+                    shown=shown.getvalue())
 
     thread = threading.Thread(target=run_hang)
     thread.start()
@@ -70,6 +75,10 @@ def failures(tmp_path_factory):
 def test_hang_times_out_with_the_stacks_showing_where(failures):
     _, hang, tmp = failures
     assert hang["seconds"] < LIMIT
+    # --timeout reaches the process group: both ranks' errors name it (a wall-clock bound alone
+    # would pass a script that ignored it for distkit's default of 60 s on an idle machine)
+    waited = re.findall(r"^\[rank(\d)\]: .*Timed out waiting (\d+)ms", hang["shown"], re.M)
+    assert waited and {ms for _, ms in waited} == {str(TIMEOUT * 1000)}, hang["shown"]
     assert sorted(p.name for p in (tmp / "fr").iterdir()) == ["rank_0", "rank_1"]
     stacks = hang["stacks"]
     if any(frames[0].startswith("py-spy failed") for frames in stacks.values()):
