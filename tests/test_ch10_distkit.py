@@ -44,20 +44,41 @@ def test_emulated_scaled_mm_is_torchs():
         assert fp8.relative_error(mine, a @ b) < 0.06  # float8's own error, a few %
 
 
-def test_float8_linears_three_matmuls_take_float8_operands():
-    """Given the output's gradient, the input and weight gradients are exactly the float8
-    products of the recipe (e5m2 gradients, e4m3 weights and inputs), not fp32's."""
+def _reference_float8_product(a, b, a_dtype, b_dtype, rowwise=False):
+    """a @ b with each operand quantised on its own, written from the recipe's definition and
+    not with distkit.fp8: scale = (its OWN format's max) / amax, in float64 then float32, per
+    tensor, or per row of a and per column of b rounded down to a power of 2 (rowwise); scale,
+    clamp, cast, back to float32, divide; an fp32 matmul."""
+    def quantised(t, dtype, dim):
+        top = torch.finfo(dtype).max
+        amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+        scale = (top / amax.double()).float()
+        if rowwise:
+            scale = 2.0 ** torch.floor(torch.log2(scale))
+        return (t * scale).clamp(-top, top).to(dtype).float() / scale
+    return quantised(a, a_dtype, 1 if rowwise else None) @ \
+        quantised(b, b_dtype, 0 if rowwise else None)
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_float8_linears_three_matmuls_take_float8_operands(recipe):
+    """Given the output's gradient, the output and the input and weight gradients are exactly
+    the float8 products of the recipe (tensorwise: e5m2 gradients; rowwise: e4m3 everywhere;
+    weights and inputs e4m3), against a reference written here from the definition (comparing
+    with fp8.float8_mm would carry a bug of float8_mm, e.g. the wrong format's max for b)."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 32, bias=False)
-    fp8.convert_to_float8(torch.nn.Sequential(lin))
+    fp8.convert_to_float8(torch.nn.Sequential(lin), recipe=recipe)
     x = torch.randn(16, 64, requires_grad=True)
     gy = torch.randn(16, 32)
     y = lin(x)
     y.backward(gy)
-    w = lin.weight.detach()
-    assert torch.equal(y.detach(), fp8.float8_mm(x.detach(), w.t()))
-    assert torch.equal(x.grad, fp8.float8_mm(gy, w, fp8.E5M2, fp8.E4M3))
-    assert torch.equal(lin.weight.grad, fp8.float8_mm(gy.t(), x.detach(), fp8.E5M2, fp8.E4M3))
+    w, xd = lin.weight.detach(), x.detach()
+    rowwise, g8 = recipe == "rowwise", fp8.E4M3 if recipe == "rowwise" else fp8.E5M2
+    ref = lambda a, b, a_dtype: _reference_float8_product(a, b, a_dtype, fp8.E4M3, rowwise)
+    assert torch.equal(y.detach(), ref(xd, w.t(), fp8.E4M3))
+    assert torch.equal(x.grad, ref(gy, w, g8))
+    assert torch.equal(lin.weight.grad, ref(gy.t(), xd, g8))
     assert not torch.allclose(x.grad, gy @ w, rtol=1e-3, atol=1e-3)
 
 
