@@ -62,11 +62,36 @@ WRONG = {
 }
 
 
+# The headline wrong answer of each exercise (make test, 2 ranks): what the checker's second
+# configuration exists for. Each passed every check before it (issue 45: planted by the chapter's
+# reviewer); each was planted against the checker once more without that configuration and passed.
+HEADLINE = {
+    # the denominators' log written out: exp(lse) overflows for large scores (+1000)
+    "merge_exp_log": (("09.1", ("lse = torch.logaddexp(lse_a, lse_b)",
+                                "lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))")),
+                      "FAIL [2 ranks] with every score 1000 larger the merged out is wrong: exp "
+                      "of an lse overflows"),
+    # the world's size, not the group's: right on the world group only
+    "ulysses_world_size": (("09.2", ("n = dist.get_world_size(group)",
+                                     "n = dist.get_world_size()")),
+                           "FAIL [2 ranks] in a group smaller than the world (Ulysses' cp group "
+                           "inside a (dp, cp) mesh) seq_to_heads's result is wrong: is N the "
+                           "group's size, dist.get_world_size(group), not the world's?: off by "
+                           "inf"),
+    # Mixtral's top-2 hard-coded: the checker runs top-3 at 2 ranks
+    "combine_top2": (("09.3", ("tokens, k = weights.shape", "tokens, k = weights.shape[0], 2")),
+                     "FAIL [2 ranks] the launch failed: RuntimeError: shape '[24, 2, -1]' is "
+                     "invalid for input of size 72"),
+}
+
+
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    """make test: the three solutions at 2 ranks."""
+    """make test: the three solutions and each one's headline wrong answer, at 2 ranks."""
     return check_at_once({"merge": ("09.1", None), "ulysses": ("09.2", None),
-                          "combine": ("09.3", None)}, tmp_path_factory.mktemp("ch09_ex"))
+                          "combine": ("09.3", None),
+                          **{name: job for name, (job, _) in HEADLINE.items()}},
+                         tmp_path_factory.mktemp("ch09_ex"))
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +102,26 @@ def at_3(tmp_path_factory):
     return check_at_once(jobs, tmp_path_factory.mktemp("ch09_ex3"), nprocs="largest")
 
 
-@pytest.mark.parametrize("name, checks_", [("merge", 4), ("ulysses", 3), ("combine", 5)])
+@pytest.mark.parametrize("name, checks_", [("merge", 6), ("ulysses", 4), ("combine", 5)])
 def test_solution_passes_every_check(checks, name, checks_):
     ok, lines, runs = checks[name]
     assert ok, lines
     assert len(lines) == 1 + checks_ and all(ln.startswith("PASS") for ln in lines)
     (nproc, res, out), = runs
     assert nproc == 2 and res["world_size"] == 2 and "False" not in out
+
+
+@pytest.mark.parametrize("name", list(HEADLINE))
+def test_headline_wrong_answer_is_named(checks, name):
+    ok, lines, _ = checks[name]
+    assert not ok, lines
+    assert lines[-1].startswith(HEADLINE[name][1]), lines[-1]
+
+
+def test_top_k_taken_from_the_weights_is_hinted(checks):
+    _, lines, _ = checks["combine_top2"]
+    assert lines[-1].endswith(": at --top-k 3: is k taken from weights' shape (T, k), not "
+                              "fixed?"), lines[-1]
 
 
 def test_merge_solution_is_exact_in_float64(checks):

@@ -209,8 +209,12 @@ runs["dtensor"], _, _ = train_step(dtensor, tokens)
 act_bytes = args.batch_size * args.seq * args.hidden * 4  # one [B, S, h] float32 activation
 print0(f"all_reduce calls by f and g: forward {len(fwd_calls)} ({sum(fwd_calls)} B), "
        f"backward {len(bwd_calls)} ({sum(bwd_calls)} B); one [B, S, h] activation: {act_bytes} B")
-errors = {}
+errors, scales = {}, {}
 for name, run in runs.items():
+    # <mine, reference> / <reference, reference>: a whole factor (2x, 0.5x) names a sum or a
+    # mean too many (rank 0's)
+    scales[name] = {k: ((run[k] * reference[k]).sum() / (reference[k] ** 2).sum()).item()
+                    for k in reference}
     err = torch.tensor([(run[k] - reference[k]).abs().max().item() for k in reference],
                        dtype=torch.float64, device=env.device)  # NCCL reduces only GPU tensors
     dist.all_reduce(err, op=dist.ReduceOp.MAX)  # the worst rank's
@@ -224,5 +228,5 @@ write_json(args.json, {
     "seq": args.seq, "activation_bytes": act_bytes, "tolerances": TOLERANCES,
     "all_reduce_calls": {"forward": len(fwd_calls), "backward": len(bwd_calls)},
     "all_reduce_bytes": {"forward": sum(fwd_calls), "backward": sum(bwd_calls)},
-    "errors": errors, "parity": parity})
+    "errors": errors, "scales": scales, "parity": parity})
 teardown()

@@ -8,10 +8,10 @@ queries an output normalised over that block only, and the log-sum-exp (lse) of 
 against it, the log of that softmax's denominator. `merge` turns the (out, lse) of two blocks
 into those of attention over both, exactly, without looking at the scores again: this is what
 lets ring attention (distkit.cp.ring_attention) see the keys one rank's block at a time, and
-flash attention one tile at a time. The script checks your merge three ways: two halves of the
-keys in one process, against attention over all of them (output and lse); three blocks merged
-in two different orders; and inside the ring, across the ranks (causal, head-tail order),
-against attention over the whole sequence.
+flash attention one tile at a time. The script checks your merge four ways: two halves of the
+keys in one process, against attention over all of them (output and lse); the same with scores
+1000 larger (large logits); three blocks merged in two different orders; and inside the ring,
+across the ranks (causal, head-tail order), against attention over the whole sequence.
 Fill in the TODO(you) part, replacing the todo(...) call with your code. Run the script at any
 time: it stops at the first todo() left and says what is missing.
 `make exercise EX=09.1` checks it at 2 and 3 ranks. Solution, with the answers to the questions
@@ -76,7 +76,15 @@ out, lse = merge(*halves[0], *halves[1])
 errors["two blocks: out"] = (out - full).abs().max().item()
 errors["two blocks: lse"] = (lse - full_lse).abs().max().item()
 
-# 2. three blocks, merged in two orders: ((a b) c) and (a (b c)) must agree with the whole
+# 2. the same two halves with every score shifted by +1000 (a softmax does not change; an lse
+# of 1000 is what large logits give): exp(1000) overflows even float64, so a merge that takes
+# the exp of an lse returns inf or nan here, or silently wrong weights
+SHIFT = 1000.0
+out, lse = merge(halves[0][0], halves[0][1] + SHIFT, halves[1][0], halves[1][1] + SHIFT)
+errors["large scores: out"] = (out - full).abs().max().item()
+errors["large scores: lse"] = (lse - SHIFT - full_lse).abs().max().item()
+
+# 3. three blocks, merged in two orders: ((a b) c) and (a (b c)) must agree with the whole
 thirds = [block_attention(q, kk, vv, "full", scale) for kk, vv in zip(k.chunk(3, 2),
                                                                          v.chunk(3, 2))]
 left = merge(*merge(*thirds[0], *thirds[1]), *thirds[2])
@@ -84,7 +92,7 @@ right = merge(*thirds[0], *merge(*thirds[1], *thirds[2]))
 errors["three blocks: out"] = max((o - full).abs().max().item() for o, _ in (left, right))
 errors["three blocks: lse"] = max((s - full_lse).abs().max().item() for _, s in (left, right))
 
-# 3. your merge inside the ring: causal, head-tail order, N ranks
+# 4. your merge inside the ring: causal, head-tail order, N ranks
 layout = head_tail(N)
 mine = token_order(layout, S).view(N, -1)[r]
 ring = ring_attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], layout=layout, causal=True,
@@ -94,6 +102,6 @@ dist.all_reduce(worst, op=dist.ReduceOp.MAX)
 errors["ring: out"] = worst.item()
 
 for what, err in errors.items():
-    print0(f"{what:18s} max |error| < {TOL:.0e}: {err < TOL}")
+    print0(f"{what:18s} max |error| < {TOL:.0e}: {err < TOL}")  # NaN: False
 write_json(args.json, {"world_size": N, "seq": S, "tolerance": TOL, "errors": errors})
 teardown()

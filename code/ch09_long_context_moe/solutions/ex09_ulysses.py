@@ -86,6 +86,19 @@ got = seq_to_heads(q.detach()[:, :, tokens].contiguous(), group)
 errors["layout"] = (got - q.detach()[:, heads]).abs().max().item() \
     if got.shape == q[:, heads].shape else float("inf")
 
+# 1b. the same in a group smaller than the world, as Ulysses runs on a (dp, cp) mesh's cp group:
+# ranks 0 .. N-2 form one group, rank N-1 another (of one). Every rank joins every new_group call.
+if N > 1 and H % (N - 1) == 0 and S % (N - 1) == 0:
+    sub = [dist.new_group(ranks) for ranks in (list(range(N - 1)), [N - 1])][r == N - 1]
+    g, j = dist.get_world_size(sub), dist.get_rank(sub)
+    try:
+        got = seq_to_heads(q.detach()[:, :, j * S // g:(j + 1) * S // g].contiguous(), sub)
+        want = q.detach()[:, j * H // g:(j + 1) * H // g]
+        errors["layout in a sub-group"] = (got - want).abs().max().item() \
+            if got.shape == want.shape else float("inf")
+    except RuntimeError:  # e.g. split sizes that do not fit the group
+        errors["layout in a sub-group"] = float("inf")
+
 # 2. Ulysses attention built on it, against the whole sequence's, forward and backward
 full = reference_attention(q, k, v, causal=True)
 full.backward(grad_out)
@@ -98,12 +111,12 @@ if out.requires_grad:
     if all(t.grad is not None for t in (ql, kl, vl)):
         errors["gradients"] = max((a.grad - b.grad[:, :, tokens]).abs().max().item()
                                   for a, b in ((ql, q), (kl, k), (vl, v)))
-worst = torch.tensor([errors[k_] for k_ in ("layout", "attention", "gradients")],
-                     dtype=torch.float64, device=env.device)
+names = list(errors)  # the same keys on every rank (--heads and --seq as the world's)
+worst = torch.tensor([errors[k_] for k_ in names], dtype=torch.float64, device=env.device)
 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-errors = dict(zip(("layout", "attention", "gradients"), worst.tolist()))
+errors = dict(zip(names, worst.tolist()))
 for what, err in errors.items():
-    print0(f"{what:10s} max |error| over the ranks < {TOL:.0e}: {err < TOL}")
+    print0(f"{what:21s} max |error| over the ranks < {TOL:.0e}: {err < TOL}")
 write_json(args.json, {"world_size": N, "seq": S, "heads": H, "kv_heads": H_kv,
                        "tolerance": TOL, "errors": errors})
 teardown()

@@ -1,6 +1,6 @@
 """Exercise checks for chapter 02 (model parallelism); see distkit/course/checks/__init__.py."""
 from distkit.course.exercise import Fail, exercise
-from distkit.course.checks import losses_match
+from distkit.course.checks import losses_match, whole_factor
 
 
 @exercise("02.1", "ch02_model_parallel/exercises/ex02_gpipe_by_hand.py")
@@ -20,7 +20,9 @@ def gpipe(run):
                 if "Timed out" in str(fail) else "")  # gloo's timeout, 60 s
         raise Fail(f"{fail}{hint}") from None
     yield losses_match(res["losses"], single, 1e-4, "naive_split.py's on one process",
-                       scaled="is each micro-batch's loss divided by m?")
+                       scaled="is each micro-batch's loss divided by m?",
+                       divided="is the loss divided by more than m? (a pipeline's ranks hold "
+                       "stages, not shards of the data: no division by the world size)")
     steps = samples // batch
     forwards = [sum(s[0] == "F" for s in spans) for spans in res["spans"]]
     yield (forwards == [m * steps] * run.nproc,
@@ -46,6 +48,11 @@ def megatron(run):
     for name, errors in res["errors"].items():
         for what, err in errors.items():
             tol = res["tolerances"][what]
+            # a whole factor: a sum or a mean too many (a file without "scales": no hint)
+            factor = whole_factor(
+                res.get("scales", {}).get(name, {}).get(what), "is a value every rank already "
+                "holds whole all-reduced, summing N copies?", "is a sum averaged? f's backward "
+                "and g's forward add the ranks' partial results: a plain all-reduce, no / N")
             yield (err < tol, f"{name}: {what} = the unsharded model's (< {tol:g})",
                    f"{name}: {what} differs from the unsharded model's by {err:.1e} "
-                   f"(tolerance {tol:g})")
+                   f"(tolerance {tol:g})" + (f": {factor[0]}: {factor[1]}" if factor else ""))

@@ -1,6 +1,6 @@
 """Exercise checks for chapter 09 (context and expert parallelism); see
 distkit/course/checks/__init__.py."""
-from distkit.course.exercise import exercise
+from distkit.course.exercise import Fail, exercise
 
 
 def _bounded(res, what, passed, failed):
@@ -20,6 +20,15 @@ def online_softmax(run):
     yield _bounded(res, "two blocks: lse", "lse of two merged blocks = log-sum-exp of all scores",
                    "the merged lse is not the log-sum-exp of both blocks' scores: over both, "
                    "the softmax's denominator is exp(lse_a) + exp(lse_b)")
+    if "large scores: out" not in res["errors"]:  # a file from before this check
+        yield (False, "", "this file does not run the large-scores check: copy its section 2 "
+               "(SHIFT = 1000.0 ...) from the current starter (git diff shows it)")
+        return
+    for what in ("out", "lse"):
+        yield _bounded(res, f"large scores: {what}", f"large scores (lse + 1000): the merged "
+                       f"{what} is still right", f"with every score 1000 larger the merged {what} "
+                       "is wrong: exp of an lse overflows (exp(1000) is inf even in float64); "
+                       "use torch.logaddexp, and weights exp(lse_block - lse)")
     yield _bounded(res, "three blocks: out", "three blocks merged in either order = the whole",
                    "three blocks merged pairwise differ from attention over all of them: the "
                    "lse you return must be the merged one, since the next merge uses it")
@@ -37,6 +46,15 @@ def ulysses(run):
                    f"seq_to_heads's result is not this rank's heads (rank j: heads j H/{n} ... "
                    f"(j+1) H/{n} - 1) of every token in order: check which head group goes "
                    "first to the all-to-all and how the received chunks are laid out")
+    if "layout in a sub-group" not in res["errors"]:  # a file from before this check
+        yield (False, "", "this file does not run the sub-group check: copy its section 1b "
+               "from the current starter (git diff shows it)")
+        return
+    yield _bounded(res, "layout in a sub-group", f"and in groups smaller than the world (ranks "
+                   f"0..{n - 2}, and {n - 1} alone), its heads of the group's tokens",
+                   "in a group smaller than the world (Ulysses' cp group inside a (dp, cp) "
+                   "mesh) seq_to_heads's result is wrong: is N the group's size, "
+                   "dist.get_world_size(group), not the world's?")
     yield _bounded(res, "attention", "Ulysses attention = attention over the whole sequence",
                    "Ulysses attention built on your seq_to_heads differs from attention over "
                    "the whole sequence")
@@ -47,8 +65,16 @@ def ulysses(run):
 
 @exercise("09.3", "ch09_long_context_moe/exercises/ex09_ep_combine.py")
 def ep_combine(run):
-    res = run()
-    yield (res["rows back at their tokens"], "every expert output back at its (token, slot)",
+    # not Mixtral's top-2, which a hard-coded k would fit: top-3 at 2 ranks, top-1 at 3
+    k = 3 if run.nproc == 2 else 1
+    try:
+        res = run("--top-k", k)
+    except Fail as fail:
+        hint = (f": at --top-k {k}: is k taken from weights' shape (T, k), not fixed?"
+                if "is invalid for input of size" in str(fail) else "")
+        raise Fail(f"{fail}{hint}") from None
+    yield (res["rows back at their tokens"], f"every expert output back at its (token, slot), "
+           f"top-{k}",
            "the rows do not come back to their tokens: row i of the sorted outputs is pair "
            "order[i], so it goes to position order[i] (a scatter, the inverse of the sort), "
            "not to position i of expert_out[order]")
