@@ -412,7 +412,8 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
                          attn: str = "sdpa", ac: str = "none", recipe: Recipe = FP32_ADAMW,
                          tensor_parallel: int = 1, pipeline_parallel: int = 1,
                          sequence_parallel: bool = False, in_flight: int = 1,
-                         cpu_offload: bool = False, loss_chunks: int = 1) -> dict:
+                         cpu_offload: bool = False, loss_chunks: int = 1,
+                         unsharded_grads: bool = False) -> dict:
     """Bytes on one FSDP2 rank at the peak of a training step, by FSDPMemTracker's categories.
 
     FSDP2 shards every decoder layer and the root over `ranks` (reshard_after_forward: layers
@@ -455,7 +456,14 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
     - `cpu_offload` (FSDP2's CPUOffloadPolicy): the sharded parameters, their gradients and
       AdamW's state live in host memory ("CPU", not in "Total");
     - `loss_chunks` = c: a chunked or fused linear + cross-entropy holds T / c tokens' fp32
-      logits, their log-softmax and gradients at a time.
+      logits, their log-softmax and gradients at a time;
+    - `unsharded_grads`: gradient accumulation without a reduce-scatter per micro-batch
+      (FSDP2's set_requires_gradient_sync(False) until the last micro-batch: train_llama.py's
+      default; `--sync-every-microbatch` turns it off): every parameter's gradient of this rank's
+      layers and root stays unsharded, in the reduce dtype (fp32, _fsdp_param.py,
+      to_accumulated_grad_if_needed), from the first micro-batch's backward to the last's: 4
+      bytes per parameter, not divided by the ranks, at every moment of the last micro-batch
+      (as pp > 1 adds them).
     Sizes in bytes per rank; FSDP2 pads shards to a multiple of `ranks` (ignored here: < 0.1 %).
     Checked against simulate_fsdp.py (tests/test_ch03_scripts.py) for fp32 and bf16, sdpa and
     eager, every checkpointing mode, t = 2 on one point; precision "amp" and pp > 1 are not.
@@ -522,6 +530,9 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
         for v in moments.values():
             v.update({"Unsharded Param": (root + L * layer) * pb, "All Gather": 0,
                       "Reduce Scatter": 0, "Unsharded Grad": L * layer * 4})
+    elif unsharded_grads:  # accumulation without sync: every fp32 gradient unsharded, held
+        for v in moments.values():
+            v["Unsharded Grad"] = (L * layer + root) * 4
     host = ("Sharded Param", "OptState", "Sharded Grad") if cpu_offload else ()
     totals = {k: sum(b for c, b in {**base, **v}.items() if c not in host)
               for k, v in moments.items()}

@@ -311,7 +311,16 @@ class Layout:
     - sequence_parallel: with tp > 1, torchtitan's plan (SequenceParallel norms, a vocabulary-
       parallel embedding, LM head and loss); False: Megatron's plan on the decoder layers only,
       the root whole on every tp rank;
-    - cpu_offload: FSDP2's CPUOffloadPolicy; loss_chunks: a chunked/fused cross-entropy."""
+    - cpu_offload: FSDP2's CPUOffloadPolicy; loss_chunks: a chunked/fused cross-entropy;
+    - sync_every_microbatch: with accumulation, reduce-scatter the gradients after every
+      micro-batch (True: what the course's plans assumed, train_llama.py's
+      --sync-every-microbatch, torchtitan's way) or only after the last (False: train_llama.py's
+      default, FSDP2's set_requires_gradient_sync(False): fewer reduce-scatters, but every fp32
+      gradient unsharded between micro-batches, 4 bytes per parameter on every GPU);
+    - schedule, virtual: with pp > 1, the pipeline schedule (a name torch.distributed.pipelining
+      and distkit.schedules know: "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
+      "ZBVZeroBubble", ...) and its stages per rank (1 for 1F1B and GPipe, 2 for the V-shaped
+      schedules, v >= 2 for the looped ones)."""
     gpus: int
     seq: int
     batch: int = 1
@@ -324,6 +333,9 @@ class Layout:
     cpu_offload: bool = False
     loss_chunks: int = 1
     attn: str = "sdpa"
+    sync_every_microbatch: bool = True
+    schedule: str = "1F1B"
+    virtual: int = 1
 
     def __post_init__(self):
         if min(self.gpus, self.seq, self.batch, self.accumulation, self.tp, self.pp,
@@ -334,6 +346,13 @@ class Layout:
         if self.gpus % (self.tp * self.pp * self.replicate):
             raise ValueError(f"tp {self.tp} x pp {self.pp} x replicate {self.replicate} must "
                              f"divide {self.gpus} GPUs")
+        from distkit.schedules import SCHEDULES, SINGLE, V_SHAPED
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r}: one of {', '.join(SCHEDULES)}")
+        want = 1 if self.schedule in SINGLE else 2 if self.schedule in V_SHAPED else None
+        if (want and self.virtual != want) or (not want and self.virtual < 2):
+            raise ValueError(f"{self.schedule} holds {want or '>= 2'} stages per rank, not "
+                             f"virtual={self.virtual}")
 
     @property
     def dp(self) -> int:  # data-parallel ranks
@@ -354,7 +373,12 @@ class Layout:
                                                self.sequence_parallel else "")]
                                                if self.tp > 1 else [])
         extra = (", CPU offload" if self.cpu_offload else "") + (
-            f", loss in {self.loss_chunks} chunks" if self.loss_chunks > 1 else "")
+            f", loss in {self.loss_chunks} chunks" if self.loss_chunks > 1 else "") + (
+            f", {self.schedule}" + (f" (v {self.virtual})" if self.virtual > 1 else "")
+            if self.pp > 1 else "") + (
+            ", gradients synced every micro-batch" if self.sync_every_microbatch
+            else ", fp32 gradients unsharded between micro-batches"
+            if self.accumulation > 1 and self.pp == 1 else "")
         return f"{' x '.join(parts)}, {self.batch} x {self.seq} per rank, {self.ac} AC{extra}"
 
 
@@ -426,6 +450,9 @@ def step_time(config, layout: Layout, *, gpu: GPU, link: float, eta: float | Eff
     forward = max(compute_f, comm_f) + first
     backward = max(compute_b, comm_b) + last
     backward_last = max(compute_b, comm_b + hsdp) + last
+    if not lay.sync_every_microbatch and lay.accumulation > 1:
+        # gradients accumulate unsharded: the early micro-steps' backwards gather, no scatter
+        backward = max(compute_b, gather_b)
     # tensor parallelism: per layer 2 all-reduces forward, 2 backward, 2 more in a full
     # checkpoint's rerun; with sequence parallelism each is a reduce-scatter + all-gather (the
     # same bytes); on NVLink, in the critical path
@@ -444,14 +471,19 @@ def step_time(config, layout: Layout, *, gpu: GPU, link: float, eta: float | Eff
     micro = forward + backward + tp_s + p2p + mem["copies s"] + offload
     micro_last = forward + backward_last + tp_s + p2p + mem["copies s"] + offload
     m = lay.accumulation
-    if p > 1:  # 1F1B: m micro-batches through p stages take m + p - 1 slots
+    if p > 1:  # m micro-batches through p stages: the schedule's bubble (distkit.schedules)
         # FSDP under PP gathers the stage once (behind the first micro-batch's forward) and
         # reduce-scatters once, after the last backward (torchtitan: reshard_after_forward=False
-        # with PP; pipelining's REDUCE_GRAD action), all-reducing across replicas with it
-        micro = compute_f + compute_b + tp_s + p2p
+        # with PP; pipelining's REDUCE_GRAD action), all-reducing across replicas with it. A
+        # looped or V schedule sends v times per micro-batch (each rank holds v stages).
+        from distkit.schedules import bubble_formula
+        micro = compute_f + compute_b + tp_s + lay.virtual * p2p
         exposed = max(0.0, comm_f - compute_f) + first + scatter + hsdp
-        step = (m + p - 1) * micro + exposed + mem["copies s"] + mem["optimizer s"] + offload
-        bubble = (p - 1) * micro
+        idle = float(bubble_formula(lay.schedule, p, m, lay.virtual))
+        # 1F1B: (m + p - 1) slots of `micro`; in general m x micro is (1 - idle) of the step
+        busy = m * micro / (1 - idle)
+        step = busy + exposed + mem["copies s"] + mem["optimizer s"] + offload
+        bubble = busy - m * micro
         copies = mem["copies s"]  # one gather and one reduce-scatter per step
     else:
         exposed = m * (forward + backward - compute_f - compute_b) + (backward_last - backward)
@@ -506,7 +538,7 @@ def fsdp_threshold_tokens(eta: float, gpu: GPU, bandwidth: float, ac: str = "non
 def peak_bytes(config, *, gpus: int, seq: int, batch: int = 1, tp: int = 1, ac: str = "full",
                attn: str = "sdpa", pp: int = 1, replicate: int = 1,
                sequence_parallel: bool = False, cpu_offload: bool = False, loss_chunks: int = 1,
-               in_flight: int = 1) -> float:
+               in_flight: float = 1, unsharded_grads: bool = False) -> float:
     """Bytes one GPU allocates at the step's peak: the larger of two moments that never
     overlap. The backward's peak, `llama_training_bytes` (bf16 FSDP2 over the shard group,
     gpus / (tp pp replicate) ranks; gradients are set to None, so none exist in the forward);
@@ -521,7 +553,7 @@ def peak_bytes(config, *, gpus: int, seq: int, batch: int = 1, tp: int = 1, ac: 
                              precision="bf16", attn=attn, ac=ac, tensor_parallel=tp,
                              pipeline_parallel=pp, sequence_parallel=sequence_parallel,
                              cpu_offload=cpu_offload, loss_chunks=loss_chunks,
-                             in_flight=in_flight)
+                             in_flight=in_flight, unsharded_grads=unsharded_grads)
     return max(m["Total"], 0 if cpu_offload else optimizer_step_bytes(m))
 
 
