@@ -265,3 +265,35 @@ def test_make_starters_rewrites_a_stale_starter(copy):
     assert done.stdout == "every starter is up to date\n"
     assert json.loads((copy / "build/starters.json").read_text()).keys() == {
         "ch00_collectives/exercises/ex00_global_mean.py"}
+
+
+# --- what every checker shares: NaN fails, whole factors named both ways ------------------------
+
+def test_nan_and_inf_losses_fail():
+    """`abs(nan - y) >= tol` is False: a NaN loss once passed as equal (instructor's review F1).
+    Planted back (`>=`), the first two asserts fail."""
+    from distkit.course.checks import first_diff, losses_match
+    nan, inf = float("nan"), float("inf")
+    ok, _, failed = losses_match([1.0, nan, nan], [1.0, 0.9, 0.8], 1e-5)
+    assert not ok and failed.startswith("losses differ from one process's at step 2 by nan")
+    assert failed.endswith(": the loss is not a finite number (NaN or inf)")
+    assert not losses_match([nan] * 3, [1.0, 0.9, 0.8], 1e-5)[0]
+    assert first_diff([1.0, inf], [1.0, 2.0], 1e-5) == (2, inf)
+    assert losses_match([1.0, 0.9], [1.0, 0.9], 1e-5)[0]
+
+
+def test_whole_factors_are_named_both_ways():
+    from distkit.course.checks import gradient_matches, losses_match, whole_factor
+    assert whole_factor(4.0, "sum?", "mean?") == ("4x", "sum?")
+    assert whole_factor(0.5, "sum?", "mean?") == ("0.50x", "mean?")
+    assert whole_factor(1.5, "sum?", "mean?") is None
+    assert whole_factor(float("nan"), "sum?", "mean?") is None
+    assert whole_factor(0.5, "sum?", None) is None  # no hint that way: none given
+    _, _, failed = losses_match([0.5, 1.0], [1.0, 1.0], 1e-4, scaled="S?", divided="D?")
+    assert failed.endswith("(tolerance 1e-04): 0.50x: D?")
+    _, _, failed = losses_match([3.0, 1.0], [1.0, 1.0], 1e-4, scaled="S?", divided="D?")
+    assert failed.endswith("(tolerance 1e-04): 3x: S?")
+    assert gradient_matches({"gap": 0.5, "scale": 0.5}, 1e-4, "g", "S?", "O?")[2] == \
+        "g are 0.50x one process's: divided once too often?"
+    assert gradient_matches({"gap": float("nan"), "scale": float("nan")}, 1e-4, "g", "S?",
+                            "O?")[2] == "g are not finite (NaN or inf): O?"
