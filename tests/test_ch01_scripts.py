@@ -9,7 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from conftest import CODE, ROOT, launcher_env, run_scripts_at_once
+from conftest import CODE, ROOT, launcher_env, run_ok, run_scripts_at_once
+from distkit.dist import grad_check
 
 BAD_INPUT = [  # script, args, extra env, what the one-line error must say
     ("train_single.py", ["--batch-size", "0"], {}, "--batch-size"),
@@ -37,6 +38,27 @@ def test_help_is_whole_sentences():
     for script in sorted((CODE / "ch01_ddp").glob("*.py")):
         first = script.read_text().split('"""')[1].split("\n\n")[0]  # what --help shows
         assert first.rstrip().endswith((".", ":")), f"{script.name}: --help shows {first!r}"
+
+
+def test_accumulation_step1_gradients_equal_one_process(tmp_path):
+    """train_ddp_plus.py (2 ranks x 4 micro-batches of 2) against train_single.py (batch 16), one
+    step each: the step-1 gradients, not only the loss. AdamW hides a constant factor on the
+    gradient, so an accumulation without `/ args.accum` (4x gradients) passes every loss check;
+    this one fails on it, naming the factor (planted once: "scale 4.00")."""
+    data = ["--samples", 16, "--epochs", 1]
+    single = subprocess.Popen(
+        [sys.executable, str(CODE / "ch01_ddp/train_single.py"), "--batch-size", "16",
+         *map(str, data), "--json", str(tmp_path / "single.json")],
+        env=launcher_env({"PYTHONPATH": str(CODE)}), stdout=subprocess.PIPE, text=True)
+    run_ok(2, "ch01_ddp/train_ddp_plus.py", "--batch-size", 2, "--accum", 4, *data,
+           "--json", tmp_path / "accum.json")
+    assert single.wait(timeout=120) == 0
+    one, accum = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("single", "accum"))
+    assert len(accum["losses"]) == len(one["losses"]) == 1
+    assert abs(accum["losses"][0] - one["losses"][0]) < 1e-4
+    check = grad_check(accum["grad_norms"], one["grad_norms"])
+    assert len(one["grad_norms"]) == 21 and check["gap"] < 1e-5, \
+        f"step-1 gradients {check['scale']:.2f}x one process's (gap {check['gap']:.1e})"
 
 
 @pytest.mark.parametrize("batch, message", [(10, "BATCH=10 must divide")])

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit.dist import grad_norms
 from distkit.toy import counting_data, tiny_llama
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -24,7 +25,7 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--json", help="write per-step losses here")
+parser.add_argument("--json", help="write per-step losses (and step 1's gradient norms) here")
 parser.add_argument("--save", help="write a checkpoint here at the end (rank 0)")
 args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))  # NEW: every rank needs at least one batch
@@ -42,13 +43,15 @@ data = counting_data(args.samples)
 sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
 loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
-losses = []
+losses, grads = [], None
 for epoch in range(args.epochs):
     sampler.set_epoch(epoch)  # NEW: reseeds the shuffle; without it every epoch repeats
     for (tokens,) in loader:
         tokens = tokens.to(env.device)
         loss = model(input_ids=tokens, labels=tokens).loss  # mean cross-entropy, next token
         loss.backward()  # NEW (invisible): DDP all-reduces the gradients in here
+        if not losses:  # step 1's gradients, for the parity check: a constant factor on them
+            grads = grad_norms(model)  # (a missing 1/N) hides in the losses under AdamW
         optimizer.step()
         optimizer.zero_grad()
         # NEW: each rank saw only its own sequences; average the loss for the log
@@ -57,7 +60,7 @@ for epoch in range(args.epochs):
         losses.append(loss.item() / env.world_size)
     print0(f"epoch {epoch}  step {len(losses):3d}  loss {losses[-1]:.3f}")
 
-write_json(args.json, {"losses": losses})
+write_json(args.json, {"losses": losses, "grad_norms": grads})
 if args.save:
     # NEW: one writer. model.module is the plain model: its keys have no "module." prefix.
     if env.rank == 0:

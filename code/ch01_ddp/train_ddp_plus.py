@@ -20,6 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from distkit import print0, seed_everything, setup, teardown, write_json
 from distkit.ddp import CommLog
+from distkit.dist import grad_norms
 from distkit.toy import counting_data, tiny_llama
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -28,7 +29,8 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--json", help="write per-step losses (and --log-comm records) here")
+parser.add_argument("--json", help="write per-step losses, step 1's gradient norms "
+                                   "(and --log-comm records) here")
 parser.add_argument("--save", help="write a checkpoint here at the end of every epoch (rank 0); "
                                    "{epoch} in the name becomes the epoch's number")  # PLUS
 # PLUS: the options of this script
@@ -66,7 +68,7 @@ sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
 loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 comm = CommLog.attach(model) if args.log_comm else None  # PLUS: measurement only
 
-first_epoch, losses = 0, []
+first_epoch, losses, grads = 0, [], None
 if args.resume:  # PLUS: every rank reads the same file; load_state_dict copies it to its device
     # map_location="cpu", not the GPU: AdamW's step counters then stay on the CPU, as in a fresh
     # run (a counter loaded onto the GPU stays there, and AdamW reads it with .item(): a host
@@ -91,6 +93,8 @@ for epoch in range(first_epoch, args.epochs):
                 loss = model(input_ids=tokens, labels=tokens).loss / args.accum  # keep a mean
                 loss.backward()  # NEW (invisible): DDP all-reduces the gradients in here
             step_loss += loss.detach()
+        if not losses:  # step 1's gradients (after all K micro-batches), for the parity check
+            grads = grad_norms(model)
         optimizer.step()
         optimizer.zero_grad()
         # NEW: each rank saw only its own sequences; average the loss for the log
@@ -104,6 +108,6 @@ for epoch in range(first_epoch, args.epochs):
                         "epoch": epoch + 1, "losses": losses}, args.save.format(epoch=epoch + 1))
         dist.barrier()  # NEW: nobody reads the checkpoint before it is complete
 
-write_json(args.json, {"losses": losses, "world_size": env.world_size,
+write_json(args.json, {"losses": losses, "grad_norms": grads, "world_size": env.world_size,
                        **({"comm": comm.summary(model)} if comm else {})})
 teardown()

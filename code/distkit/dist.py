@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 import random
 import sys
@@ -136,6 +137,52 @@ def same_on_all_ranks(tensors) -> bool:
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     return torch.equal(lo, hi)
+
+
+# Wrappers that prefix parameter names: DDP, FSDP1, activation checkpointing, torch.compile.
+_WRAPPER_PREFIXES = ("module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.",
+                     "_orig_mod.")
+
+
+def grad_norms(model, gather: bool = False) -> dict[str, float]:
+    """Every parameter's gradient norm (L2, summed in float64), by name: a fingerprint of one
+    step's gradients, which a parity check compares with one process's (at step 1, after the
+    backward and before optimizer.step()).
+
+    Why gradients and not only losses: AdamW's update m / (sqrt(v) + eps) ignores a constant
+    factor on the gradient, so a missing 1/N, 1/K or 1/m leaves every loss within 1e-4 of one
+    process's; the gradients show it at once. Names are the plain model's (DDP's "module." and
+    FSDP1's wrapper prefixes removed). A DTensor gradient (FSDP2, tensor parallelism) is
+    gathered first, a collective: every rank calls this. `gather=True` merges every rank's
+    parameters (a collective too), for a pipeline stage that holds only its own layers."""
+    norms = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        for prefix in _WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        norms[name] = grad.detach().double().norm().item()
+    if gather and dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, norms)
+        norms = {name: norm for mine in every for name, norm in mine.items()}
+    return dict(sorted(norms.items()))
+
+
+def grad_check(mine: dict[str, float], reference: dict[str, float]) -> dict:
+    """How far `grad_norms` lie from the reference's (one process's), in the course's two
+    numbers: "gap", the largest difference over the largest norm (inf when the parameters
+    differ or a norm is not finite), and "scale", <mine, ref> / <ref, ref> (1: the same
+    gradients; K: K times too large, a sum where a mean was due)."""
+    if not reference or mine.keys() != reference.keys():
+        return {"gap": math.inf, "scale": math.nan}
+    m = [mine[k] for k in reference]
+    r = [reference[k] for k in reference]
+    if not all(math.isfinite(x) for x in m + r) or max(r) == 0:
+        return {"gap": math.inf, "scale": math.nan}
+    return {"gap": max(abs(a - b) for a, b in zip(m, r)) / max(r),
+            "scale": sum(a * b for a, b in zip(m, r)) / sum(b * b for b in r)}
 
 
 def seed_everything(seed: int) -> None:
