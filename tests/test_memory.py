@@ -3,7 +3,8 @@ import pytest
 
 from distkit.memory import (FP32_ADAMW, GB, MIXED_ADAMW, activation_bytes_per_layer,
                             communication_bytes, flops_per_token, from_config, llama_params,
-                            matmul_params, model_state_bytes, training_bytes)
+                            llama_training_bytes, matmul_params, model_state_bytes,
+                            training_bytes)
 
 PSI, N = 7.5e9, 64  # ZeRO paper, Figure 1: a 7.5B-parameter model on 64 GPUs, K = 12
 
@@ -64,6 +65,31 @@ def test_activation_formulas_agree_with_each_other():
     assert activation_bytes_per_layer(s, b, h, a, recompute="full") == 2 * s * b * h
     with pytest.raises(ValueError):
         activation_bytes_per_layer(s, b, h, a, recompute="some")
+    # tensor parallelism without sequence parallelism ([Korthikanti] Table 2): the 10 s b h of
+    # the layer norms, dropouts and the residual stay whole on every rank; only 24 s b h and the
+    # scores are split (mutations.md M4: 34 / t everywhere passed every test; 23.0 vs 14.25
+    # bytes per s b h for GPT-3 at t = 8)
+    for t in (2, 8):
+        tp = activation_bytes_per_layer(s, b, h, a, tensor_parallel=t)
+        assert tp == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+        assert activation_bytes_per_layer(s, b, h, a, tensor_parallel=t, recompute="selective") \
+            == pytest.approx(s * b * h * (10 + 24 / t))
+    assert activation_bytes_per_layer(s, b, h, a, tensor_parallel=8) \
+        == pytest.approx(s * b * h * 23.0)
+
+
+def test_accumulation_without_sync_holds_every_fp32_gradient_unsharded():
+    """FSDP2's set_requires_gradient_sync(False) between micro-batches (train_llama.py's default):
+    4 bytes per parameter of the whole model on every rank, on top of the synced step's peak
+    (issue 43: 8B on 64 GPUs, one 8,192 sequence, selective: 40.8 -> 70.7 GiB)."""
+    from distkit.memory import GiB, LLAMA_CONFIGS
+    c = LLAMA_CONFIGS["8b"]
+    kw = dict(ranks=64, seq=8192, batch=1, precision="bf16", ac="selective")
+    synced = llama_training_bytes(c, **kw)
+    kept = llama_training_bytes(c, **kw, unsharded_grads=True)
+    params = llama_params(128256, 4096, 14336, 32, 32, 8)
+    assert kept["Unsharded Grad"] == 4 * params
+    assert round(synced["Total"] / GiB, 1) == 40.8 and round(kept["Total"] / GiB, 1) == 70.7
 
 
 def test_llama_params_match_the_published_sizes():
