@@ -114,6 +114,7 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     grace = int(run_env["SHUTDOWN_TIMEOUT"]) + STOP_GRACE_S
     run_env.update(CALLER_STOPS)
     run_env.update({"COURSE_ALLOW_TRACER": "1"} if stacks_when else {})  # py-spy: dist.allow_tracer
+    started = _cpu_clock()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=run_env)
     if stop_when is not None:
@@ -140,6 +141,7 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
             if not expect_failure and hide_output is None:
                 print(_relative(line), end="", flush=True)
         status = proc.wait()
+        _log_launch(script, nproc, started)
     except KeyboardInterrupt:  # the kernel was interrupted: stop every rank, say so in one line
         if timer:
             timer.cancel()
@@ -169,6 +171,26 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     elif hide_output is not None:
         print(hide_output, flush=True)
     return status if stop_when is not None else None
+
+
+def _cpu_clock() -> tuple[float, float]:
+    """(wall seconds, CPU-seconds of this process's waited-for children and their descendants):
+    torchrun waits for its ranks, the launcher for torchrun, and we for the launcher."""
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.perf_counter(), usage.ru_utime + usage.ru_stime
+
+
+def _log_launch(script: str, nproc: int, started: tuple[float, float]) -> None:
+    """With COURSE_LAUNCH_LOG=FILE (make course sets it), append this launch's script, process
+    count, wall and CPU-seconds to FILE as a JSON line: distkit.course.launch_cost reads them."""
+    path = os.environ.get("COURSE_LAUNCH_LOG")
+    if path:
+        import json
+        wall, cpu = (now - then for now, then in zip(_cpu_clock(), started))
+        with open(path, "a") as f:
+            f.write(json.dumps({"script": script, "nproc": nproc, "seconds": round(wall, 2),
+                                "cpu_seconds": round(cpu, 2)}) + "\n")
 
 
 def _stop_when(proc: subprocess.Popen, predicate) -> None:

@@ -5,7 +5,9 @@ Shows progress on stderr (notebook, code cell n of m, seconds so far), then prin
 executed copy of a failing notebook stays in build/ for inspection. CPU seconds are user + system
 time of the notebook's kernel and everything it started (torchrun, every rank), counted once
 they have exited: they vary less than wall seconds with other load on the machine.
-build/course_times.json keeps both per notebook (the next run's estimate). Each kernel's own
+build/course_times.json keeps both per notebook (the next run's estimate), and
+build/launches/<notebook>.jsonl each launch's script, ranks, wall and CPU seconds (the launch-cost
+table: python -m distkit.course.launch_cost). Each kernel's own
 messages (startup warnings,
 "KeyboardInterrupt caught in kernel" at shutdown, which is normal) go to
 build/<notebook>.kernel.log instead of the console.
@@ -150,6 +152,11 @@ def main(argv=None) -> int:
         nb_params = {**(FAST.get(nb.name, {}) if args.fast else {}), **params}
         progress.start(f"[{i}/{len(notebooks)}] {nb.name}", code_cells(nb, nb_params))
         t0, cpu0 = time.perf_counter(), children_cpu()
+        # each launch's script, ranks, wall and CPU-s (distkit.course.launch_cost reads them)
+        launches = args.out / "launches" / f"{nb.stem}.jsonl"
+        launches.parent.mkdir(exist_ok=True)
+        launches.write_text("")
+        os.environ["COURSE_LAUNCH_LOG"] = str(launches.resolve())
         try:
             papermill.execute_notebook(
                 nb, args.out / nb.name, parameters=nb_params, cwd=nb.resolve().parent,
