@@ -145,10 +145,20 @@ def bubble_formula(schedule: str, pp: int, microbatches: int, per_rank: int = 2)
     - Interleaved1F1B, LoopedBFS: idle (p-1)(t_F+t_B) out of v m (t_F+t_B) + that, i.e.
       (p-1)/(v m + p-1): the fill and drain shrink by v, because a stage is v times smaller;
     - the zero-bubble schedules: what is left when W fills the drain, (p-1) t_F at equal costs
-      (ZB-H1's (p-1)(t_F + t_I - t_W) = (p-1)), out of 3 v m: (p-1)/(3 v m + p-1)."""
+      (ZB-H1's (p-1)(t_F + t_I - t_W) = (p-1)), out of 3 v m: (p-1)/(3 v m + p-1);
+    - except ZBVZeroBubble with few micro-batches: rank 0's second stage (the last, 2p-1) can
+      start only once micro-batch 0 has gone down the V and up again, 2p-1 forwards, so with
+      m < 2p-1 rank 0 idles 2p-1-m units before it and as many at the end (the last backward
+      comes back the same way): idle max(p-1, 2(2p-1-m)), i.e. the formula above only from
+      m >= (3p-1)/2; at torchtitan's old default m = p = 8, 7/31 instead of 7/55. (DualPipeV,
+      the other V, refuses m < 2p in torch 2.13.)
+    Each equals the idle time counted from torch 2.13's lists (tests/test_ch10_distkit.py)."""
     p, m, v = pp, microbatches, (1 if schedule in SINGLE else per_rank)
     if schedule in SINGLE:
         return Fraction(p - 1, m + p - 1)
+    if schedule == "ZBVZeroBubble":
+        wait = max(p - 1, 2 * (2 * p - 1 - m))
+        return Fraction(wait, 3 * v * m + wait)
     if schedule in ZERO_BUBBLE:
         return Fraction(p - 1, 3 * v * m + p - 1)
     return Fraction(p - 1, v * m + p - 1)
