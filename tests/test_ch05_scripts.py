@@ -308,6 +308,63 @@ def test_read_log_names_the_rows_and_the_file_each_piece_is_read_from(tmp_path):
 
 def test_latest_of_an_empty_or_missing_folder_is_none(tmp_path):
     assert CheckpointDir(tmp_path / "nothing").latest() is None
+    assert CheckpointDir(tmp_path / "nothing").resume_point("x.py") is None  # a fresh start
+
+
+def test_a_resume_with_no_usable_checkpoint_refuses_and_changes_nothing(tmp_path):
+    """faults.md 5b (HIGH): a shard truncated in every checkpoint. latest() skips them all and
+    says None, which a --resume read as "start from step 0" (the metrics deleted, the
+    checkpoints overwritten at the next commits). resume_point() stops instead, in one line
+    naming each checkpoint and why, and leaves every file as it was."""
+    ckpt = CheckpointDir(tmp_path, keep=2)
+    for step in (5, 10):
+        fake_save(ckpt, step)
+        (ckpt.path(step) / "__1_0.distcp").write_bytes(b"x" * 7)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit) as stop:
+        ckpt.resume_point("train_ckpt.py")
+    assert str(stop.value) == (
+        f"train_ckpt.py: --resume: 2 checkpoint(s) in {tmp_path}, none usable (step_000010: "
+        "__1_0.distcp has 7 bytes, the manifest says 110; step_000005: __1_0.distcp has 7 "
+        "bytes, the manifest says 105); nothing changed: restore a checkpoint's files, or "
+        "start over in another folder")
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_latest_prunes_what_a_kill_before_the_pruning_left(tmp_path, monkeypatch):
+    """faults.md item 1 (LOW): rank 0 killed in commit() after the rename, before keep-last-K
+    pruned, left keep + 1 checkpoints, and a resumed run at its last step commits nothing more.
+    Planted: the pruning's rmtree 'kills' the process; then latest() prunes."""
+    ckpt = CheckpointDir(tmp_path, keep=2)
+    fake_save(ckpt, 5)
+    fake_save(ckpt, 10)
+
+    rmtree = ckpt_module.shutil.rmtree
+
+    def killed(path, *args, **kwargs):  # begin()'s clean-up of a .tmp passes, the pruning dies
+        if not kwargs.get("ignore_errors"):
+            raise KeyboardInterrupt("killed between the rename and the pruning")
+        rmtree(path, *args, **kwargs)
+    monkeypatch.setattr(ckpt_module.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        fake_save(ckpt, 15)
+    monkeypatch.undo()
+    assert [p.name for p in ckpt.committed()] == ["step_000005", "step_000010", "step_000015"]
+    assert ckpt.latest() == ckpt.path(15)
+    assert [p.name for p in ckpt.committed()] == ["step_000010", "step_000015"]
+    assert ckpt.log == ["step_000005: more than keep=2; removed"]
+
+
+def test_resume_of_a_damaged_folder_given_by_path_is_one_line(monkeypatch, capsys, tmp_path):
+    """faults.md 5f: train_ckpt.py --resume PATH checks that checkpoint's files first (as
+    latest() does), instead of failing inside dcp.load with six tracebacks."""
+    ckpt = CheckpointDir(tmp_path, keep=2)
+    fake_save(ckpt, 5)
+    (ckpt.path(5) / "__1_0.distcp").write_bytes(b"x" * 7)
+    status, _, err = run_in_process(monkeypatch, capsys, "ch05_checkpoint/train_ckpt.py",
+                                    "--resume", ckpt.path(5))
+    assert status == 2 and err.strip().splitlines()[-1].endswith(
+        f"--resume {ckpt.path(5)}: __1_0.distcp has 7 bytes, the manifest says 105")
 
 
 @pytest.mark.parametrize("damage, message", [

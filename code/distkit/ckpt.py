@@ -291,6 +291,7 @@ class CheckpointDir:
     def __init__(self, root: str | os.PathLike, keep: int = 2):
         self.root, self.keep = Path(root), keep
         self.log: list[str] = []  # what commit() and latest() did besides the obvious
+        self.skipped: list[str] = []  # latest()'s checkpoints that failed their check, and why
 
     def path(self, step: int) -> Path:
         return self.root / f"step_{step:06d}"
@@ -390,16 +391,41 @@ class CheckpointDir:
                     self.log.append(f"{name}: never committed ({how}); removed")
                     shutil.rmtree(tmp)
             _barrier()
-        choice = None
-        for name in reversed(_from_rank0([p.name for p in self.committed()] if _rank0() else [])):
+        choice, self.skipped = None, []
+        names = _from_rank0([p.name for p in self.committed()] if _rank0() else [])
+        for name in reversed(names):
             why = self.problem(self.root / name)  # the same verdict on every rank
             if why is None:
                 choice = self.root / name
                 break
+            self.skipped.append(f"{name}: {why}")
             self.log.append(f"{name}: {why}; skipped")
+        if choice is not None and _rank0():
+            # keep-last-K again: a rank killed between a commit's rename and its pruning
+            # leaves K + 1; the chosen one and the K - 1 before it stay (newer, damaged ones go
+            # at the next commit, which moves aside whatever is newer than its step)
+            older = [p for p in self.committed() if step_of(p.name) < step_of(choice.name)]
+            for old in older[:max(0, len(older) - (self.keep - 1))]:
+                self.log.append(f"{old.name}: more than keep={self.keep}; removed")
+                shutil.rmtree(old)
+        _barrier()
         if _rank0():
             for line in self.log:
                 print(f"checkpoint {line}", flush=True)
+        return choice
+
+    def resume_point(self, script: str) -> Path | None:
+        """latest(), for a --resume: None only when the folder holds no checkpoint at all (a
+        fresh start). When it holds some and none checks out, this stops the run (SystemExit on
+        every rank, one line naming each checkpoint and why) and changes nothing: a restart
+        from step 0 would overwrite the run's metrics and, at its first commits, the damaged
+        checkpoints, which may only need a file copied back."""
+        choice = self.latest()
+        if choice is None and self.skipped:
+            raise SystemExit(  # (printed by rank 0; the others exit with status 1 too)
+                f"{script}: --resume: {len(self.skipped)} checkpoint(s) in {self.root}, none "
+                f"usable ({'; '.join(self.skipped)}); nothing changed: restore a checkpoint's "
+                "files, or start over in another folder" if _rank0() else 1)
         return choice
 
 
