@@ -57,3 +57,13 @@ def test_first_cell_fields_are_read_whole(tmp_path):
     assert c.deeper_words >= 100 and c.remember == ["- a", "- b"]
     assert len(c.questions) == 3 and c.answers == 3
     assert c.gaps() == []
+    # the code the core shows is read too (issue 45: a 250-line diff is part of the chapter):
+    # 150 words of code and 450 of output at CODE_RATE add 5 minutes, stated beside the text's
+    cell = nbformat.v4.new_code_cell("x = 1 " * 50)
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="out " * 450)]
+    nb.cells.insert(1, cell)
+    nbformat.write(nb, path)
+    c = chapters.read(path)
+    assert (c.code_words, c.text_minutes, c.code_minutes, c.minutes) == (600, 5, 5, 10)
+    assert "10 minutes: 5 for the text" in c.reading_line()
+    assert "5 for the code and outputs it shows (600 words" in c.reading_line()
