@@ -31,6 +31,10 @@ def wrong(tmp_path_factory):
         # 00.3: the ceiling off by one where N divides numel
         "halves_off_by_one": ("00.3", ("shard = -(-args.numel // n)",
                                        "shard = args.numel // n + 1")),
+        # 00.3: DDP's sync, an all-reduce and a slice: every number right, not the two halves
+        "halves_allreduce_slice": ("00.3", ("dist.reduce_scatter_single(mine, padded)",
+                                            "dist.all_reduce(padded)\n"
+                                            "mine = padded[rank * shard:(rank + 1) * shard]")),
     }, tmp_path_factory.mktemp("ch00_wrong"))
 
 
@@ -125,6 +129,17 @@ def test_halves_off_by_one_is_named(wrong):
     assert failed(wrong, "halves_off_by_one") == (
         "FAIL [2 ranks] numel 1002: shard is 502 elements and padding 2: the fewest elements "
         "per rank that hold 1002 between 2 ranks is 501 (rounded up, not down + 1)")
+
+
+def test_halves_as_an_all_reduce_and_a_slice_is_named(wrong):
+    """Every number is right (instructor's review F3: 13 PASS before the count); the count of
+    the collectives inside the CommDebugMode block is not. Planted without that check: passes."""
+    ok, lines, _ = wrong["halves_allreduce_slice"]
+    assert "PASS [2 ranks] numel 1002: the result = dist.all_reduce's, on every rank" in lines
+    assert failed(wrong, "halves_allreduce_slice") == (
+        "FAIL [2 ranks] numel 1002: the collectives are {'all-reduce': 1, 'all-gather': 1}, not "
+        "one reduce-scatter and one all-gather: an all-reduce, then a slice, gives the same "
+        "numbers but is not the two halves; reduce-scatter it (dist.reduce_scatter_single)")
 
 
 @pytest.mark.second_nproc

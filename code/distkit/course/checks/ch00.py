@@ -1,4 +1,5 @@
 """Exercise checks for chapter 00 (collectives); see distkit/course/checks/__init__.py."""
+from distkit.comm import NAMES
 from distkit.course.exercise import Fail, exercise
 
 
@@ -70,3 +71,17 @@ def allreduce_from_halves(run):
                f"numel {numel}: the result = dist.all_reduce's, on every rank",
                f"numel {numel}: the result differs from dist.all_reduce's (its size, or its "
                "values): is the padding cut off?")
+        # The exercise's point: the two halves, not an all-reduce and a slice (the same numbers).
+        # c10d's and the functional collectives' names, as distkit.comm reads them (03.1's count)
+        if "collectives" not in res:  # a file from before the count (the starter changed)
+            yield (False, "", "this file does not count its collectives: copy the `with "
+                   "CommDebugMode() as comm:` block and the collectives line from the current "
+                   "starter (git diff shows them), your code inside the block")
+            return
+        got = {NAMES.get(op, op).replace("_", "-"): n for op, n in res["collectives"].items()}
+        want = {"reduce-scatter": 1, "all-gather": 1}
+        yield (got == want, f"numel {numel}: one reduce-scatter and one all-gather, nothing else",
+               f"numel {numel}: the collectives are {got}, not one reduce-scatter and one "
+               "all-gather" + (": an all-reduce, then a slice, gives the same numbers but is "
+                               "not the two halves; reduce-scatter it (dist.reduce_scatter_single)"
+                               if "all-reduce" in got else ""))
