@@ -101,7 +101,7 @@ def pipeline_peak_bytes(config, layout: Layout) -> dict:
                      attn=lay.attn, pp=p, replicate=lay.replicate,
                      sequence_parallel=lay.sequence_parallel, cpu_offload=lay.cpu_offload,
                      loss_chunks=lay.loss_chunks, in_flight=1)
-    layers = config["num_hidden_layers"] / (p * v)  # per chunk
+    layers = config["num_hidden_layers"] // p / v  # per chunk (llama_training_bytes' L // pp)
     unit = layers * sum(llama_layer_saved(config, lay.seq, lay.batch, precision="bf16",
                                           attn=lay.attn, ac=lay.ac, tensor_parallel=lay.tp,
                                           sequence_parallel=lay.sequence_parallel).values())
