@@ -79,13 +79,16 @@ def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor,
 
 def torch_scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor,
                     scale_b: torch.Tensor) -> torch.Tensor:
-    """The same product by torch's kernel, torch._scaled_mm (on an H100: the fp8 tensor cores),
-    which takes the inverse scales and wants b column-major. Row-wise scales need a bf16 output
-    (torchao's float8_ops.py works around the same limit); tensorwise ones give float32."""
-    rowwise = scale_a.dim() == 2
+    """The same product by torch's kernel, torch._scaled_mm, which takes the inverse scales and
+    wants b column-major. On an H100 it runs on the fp8 tensor cores; there row-wise scales need
+    a bf16 output (CUDA's row-wise kernel: torchao's float8_ops.py forces bf16, pytorch#156771),
+    so that is asked for on CUDA. On a CPU, _scaled_mm is itself an emulation (dequantise, fp32
+    matmul), float32 output for both scalings: it checks the API's conventions (inverse scales,
+    column-major b, scale shapes), not a GPU kernel's numerics (fp8 accumulation, fast accum)."""
+    bf16_out = scale_a.dim() == 2 and a8.is_cuda  # row-wise on CUDA
     out = torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a.reciprocal(),
                            scale_b.reciprocal(),
-                           out_dtype=torch.bfloat16 if rowwise else torch.float32)
+                           out_dtype=torch.bfloat16 if bf16_out else torch.float32)
     return out.float()
 
 
@@ -141,6 +144,24 @@ class Float8Linear(nn.Linear):
     def forward(self, x):
         y = _Float8Matmul.apply(x, self.weight, self.recipe, self.kernel)
         return y if self.bias is None else y + self.bias
+
+
+def worth_float8(out_features: int, in_features: int, recipe: str = "rowwise") -> bool:
+    """Whether torchao's automatic filter converts a linear layer of this weight shape (out,
+    in): float8 is per layer, and a small matmul gets SLOWER (the casts' memory traffic is not
+    repaid by the faster multiply). torchao v0.18 `_auto_filter_for_recipe` (float8/
+    float8_linear_utils.py; torchtitan's filter_fqns=["auto_filter_small_kn"]), thresholds from
+    H100 micro-benchmarks, on the full (unsharded) weight: both sizes multiples of 16; row-wise
+    skips in <= 2048, out <= 1024, or (in <= 4096 and out <= 2048); tensorwise skips out <= 4096
+    with in <= 1024. Llama 3.1 8B's k and v projections (out 1024) stay bf16 row-wise."""
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    if out_features % 16 or in_features % 16:
+        return False
+    if recipe == "tensorwise":
+        return not (out_features <= 4096 and in_features <= 1024)
+    return not (in_features <= 2048 or out_features <= 1024
+                or (in_features <= 4096 and out_features <= 2048))
 
 
 def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", skip: tuple = ("lm_head",),

@@ -9,7 +9,10 @@ planner for PP x FSDP x TP (x CP) layouts in torchtitan's terms. Chapter 10.
   "dp_shard", "cp", "tp") and its ParallelismConfig field names; `step_time` and `memory` add
   step time and memory per GPU to chapter 08's model (distkit.memory, distkit.speed): the
   pipeline's bubble and in-flight micro-batches (distkit.schedules), context parallelism (memory
-  only), float8 matmuls at twice the rate (an upper bound: the casts are not modelled).
+  only), float8 matmuls at twice the rate (an upper bound, mostly because chapter 08's
+  efficiency is fitted on whole steps: the "matmul" time it gives carries attention kernels,
+  launch gaps and unhidden work that float8 does not speed up; the casts are not modelled
+  either).
 """
 from __future__ import annotations
 
@@ -195,16 +198,37 @@ def _schedule(c: Composed) -> list:
     return idle(simulate(_lists(c)))
 
 
-def float8_flops(config, seq: int, batch: int, ac: str = "none") -> float:
-    """Hardware FLOPs of one micro-batch that run in float8: the decoder layers' seven linear
+def float8_linears(config, recipe: str | None = None) -> dict:
+    """A decoder layer's seven linear layers, name -> (out_features, in_features), that run in
+    float8: all of them (recipe None: what torchtitan's December 2024 runs converted, the LM
+    head excepted), or those torchao's automatic filter keeps for `recipe` (distkit.fp8.
+    worth_float8: small matmuls stay bf16)."""
+    from types import SimpleNamespace
+
+    from distkit.fp8 import worth_float8
+    from distkit.memory import head_dim
+    h, i, d = config["hidden_size"], config["intermediate_size"], head_dim(
+        SimpleNamespace(**config))
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+              "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    return {n: sh for n, sh in shapes.items() if recipe is None or worth_float8(*sh, recipe)}
+
+
+def float8_flops(config, seq: int, batch: int, ac: str = "none",
+                 recipe: str | None = None) -> float:
+    """Hardware FLOPs of one micro-batch that run in float8: the decoder layers' linear
     layers, forward and backward (6 per weight and token), and their rerun under full
     checkpointing (2 per weight and token, the MLP's down projection excepted, as
-    distkit.speed.hardware_flops counts it). The LM head stays bf16 (torchtitan's filter_fqns)."""
-    from distkit.memory import matmul_params
+    distkit.speed.hardware_flops counts it). The LM head stays bf16 (torchtitan's filter_fqns).
+    `recipe` ("tensorwise", "rowwise"): only the layers torchao's automatic filter converts
+    (`float8_linears`); None: all seven."""
     c, T = config, seq * batch
-    linear = matmul_params(c) - c["vocab_size"] * c["hidden_size"]
-    rerun = 2 * (linear - c["num_hidden_layers"] * c["hidden_size"] * c["intermediate_size"]) \
-        * T if ac == "full" else 0
+    layers = {n: o * i for n, (o, i) in float8_linears(c, recipe).items()}
+    linear = c["num_hidden_layers"] * sum(layers.values())
+    rerun = 2 * c["num_hidden_layers"] * (linear // c["num_hidden_layers"]
+                                          - layers.get("down_proj", 0)) * T \
+        if ac == "full" else 0
     return 6 * linear * T + rerun
 
 
@@ -229,9 +253,12 @@ def step_time(config, c: Composed, *, seq: int, local_batch: int, ac: str, gpu, 
     """Chapter 08's step time (distkit.speed.step_time) for a composed layout, with two
     additions:
     - float8: the float8 matmuls run at twice the bf16 rate (the dense fp8 peak of an H100 is
-      2x its bf16 peak): half of `float8_flops` comes off the compute. The casts' own cost
+      2x its bf16 peak): half of `float8_flops` comes off the compute. An upper bound: the
+      efficiency `eta` is fitted on whole steps (chapter 08), so the linear layers' time at
+      eta x peak also holds what the model does not list (attention kernels below GEMM speed,
+      launch gaps, unhidden communication), and float8 halves it all; the casts' own cost
       (memory-bound amax, scale and cast kernels, fused by torch.compile) and float8
-      all-gathers are not modelled;
+      all-gathers are not modelled either;
     - the pipeline bubble of `c.schedule`, from its action lists (`Composed.bubble`), instead of
       chapter 08's 1F1B: rank 0's idle slots in units of a micro-batch's work on a rank.
     `extra_flops`: per micro-batch, as in distkit.speed.step_time (torchtitan's "op" recompute)."""
