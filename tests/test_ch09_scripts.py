@@ -3,9 +3,11 @@ status 2, in this process: argparse stops them before any process group), ring a
 N = 3 (the notebook runs N = 2), and the simulation at a small point.
 
 The notebook (nbval) runs every script at its defaults and asserts their results: ring and
-Ulysses parity and bytes, torch's context_parallel() on the CPU, FSDP2 x CP, the MoE anatomy,
-EP by hand and transformers' EP, the simulation against the planner. torch_cp.py's GPU path is
-`make gpu-smoke`'s ("ch09 context_parallel()")."""
+Ulysses parity and bytes, torch's context_parallel() on the CPU, FSDP2 x CP with masked labels
+(the global-token loss equal to one process, the mean of the ranks' means not), the MoE anatomy,
+EP by hand and inside FSDP2 on 2 ranks (the experts' divide factor right, FSDP's default 2x),
+transformers' EP, the simulation against the planner. make test-nproc adds the 4-rank cases.
+torch_cp.py's GPU path is `make gpu-smoke`'s ("ch09 context_parallel()")."""
 import json
 
 import pytest
@@ -25,8 +27,11 @@ CH = "ch09_long_context_moe"
      "--seq 6 must be a multiple of 2 x 2 processes"),
     ("fsdp_cp.py", ["--cp", "3"], {"WORLD_SIZE": "4"}, "--cp 3 must divide the 4 processes"),
     ("fsdp_cp.py", ["--methods", "ring,flash"], {"WORLD_SIZE": "4"}, "--methods: unknown flash"),
+    ("fsdp_cp.py", ["--losses", "global,sum"], {"WORLD_SIZE": "4"}, "--losses: unknown sum"),
+    ("fsdp_cp.py", ["--prompt", "26"], {"WORLD_SIZE": "4"}, "each sequence needs a valid label"),
     ("moe_ep.py", ["--experts", "3"], {"WORLD_SIZE": "2"},
      "--experts a multiple of 2 processes"),
+    ("moe_ep.py", ["--ep", "3"], {"WORLD_SIZE": "4"}, "--ep 3 must be >= 2 and divide the 4"),
     ("hf_ep.py", ["--experts", "3"], {"WORLD_SIZE": "2"},
      "--experts >= 2 a multiple of 2 processes"),
     ("moe_anatomy.py", ["--top-k", "5"], {}, "--top-k <= --experts"),
@@ -77,6 +82,31 @@ def test_simulation_at_a_small_point(tmp_path):
         assert r["all-to-all"] == p["all-to-all"], ep
     assert res["ep2"]["gathered layer"] < res["ep1"]["gathered layer"]
     assert "limits: CPU code paths" in out
+
+
+@pytest.mark.second_nproc
+def test_expert_parallelism_inside_fsdp2_on_a_2x2_mesh(tmp_path):
+    """4 ranks = efsdp 2 x ep 2 (the notebook runs efsdp 1 x ep 2): with FSDP's default average
+    every expert gradient is ep = 2 times one process's (review expert_ch09 F6: 2.0x, 1.2e-3);
+    with the experts' divide factor N (distkit.moe.apply_ep_fsdp) every gradient matches."""
+    res, out = run_json(tmp_path, 4, f"{CH}/moe_ep.py", "--ep", "2")
+    assert res["ok"] and res["parity"] and res["fsdp_ok"], out[-2000:]
+    wrong, right = res["fsdp"]["FSDP default"], res["fsdp"]["divide N"]
+    assert [round(x, 3) for x in wrong["experts_ratio"]] == [2.0, 2.0] and not wrong["parity"]
+    assert [round(x, 3) for x in right["experts_ratio"]] == [1.0, 1.0] and right["parity"]
+    assert [round(x, 3) for x in right["dense_ratio"]] == [1.0, 1.0]
+    assert "mesh efsdp 2 x ep 2" in out
+
+
+@pytest.mark.second_nproc
+def test_fsdp_cp_mean_of_means_is_right_only_with_equal_valid_tokens(tmp_path):
+    """No masked label (--prompt 0): every rank holds as many valid labels, and the mean of the
+    ranks' means is one process's loss, as the global-token sum is (the notebook runs the masked
+    default, where it fails)."""
+    res, out = run_json(tmp_path, 4, f"{CH}/fsdp_cp.py", "--prompt", "0", "--steps", "2")
+    assert res["ok"] and not res["unequal_valid_tokens"], out[-2000:]
+    for method, r in res["results"].items():
+        assert all(n["parity"] for n in r["normalisations"].values()), method
 
 
 @pytest.mark.second_nproc

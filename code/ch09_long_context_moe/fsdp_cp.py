@@ -114,7 +114,8 @@ print0(f"{N} ranks = dp {dp} x cp {cp}; global batch {G} sequences of {S} tokens
 (tokens,) = counting_data(args.steps * G, seq_len=S + 1)[:]
 batches = tokens.view(args.steps, G, S + 1).to(env.device)
 inputs, labels = batches[..., :-1], batches[..., 1:].clone()  # shift, then cut the sequence
-prompts = args.prompt + 2 * torch.arange(G, device=env.device)  # masked labels per sequence
+# a chat prompt per sequence: sequence j's first P + 2j labels are not trained on (none if P = 0)
+prompts = (args.prompt + 2 * torch.arange(G, device=env.device)) * (args.prompt > 0)
 labels[:, torch.arange(S, device=env.device) < prompts[:, None]] = IGNORE  # every step
 
 # The reference: one process, the whole global batch, SDPA.

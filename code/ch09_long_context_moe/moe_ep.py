@@ -13,6 +13,12 @@ reference's; every gradient (the local experts' and, averaged over the ranks as 
 would, the replicated weights') against the reference's. Counted: each layer's load per expert,
 the rows each rank sends to each rank, and the bytes of every all-to-all (as torch dispatches
 it, distkit.comm.CollectiveLog) against the formula.
+
+Then the same experts inside FSDP2, as chapter 09 section 10 plans them (torchtitan's layout,
+distkit.moe.apply_ep_fsdp): a mesh (efsdp, ep) of N = N/ep x ep ranks, E/ep experts per rank,
+FSDP2 over the efsdp ranks that hold the same experts and over all N for the rest. Checked
+twice against one process: with FSDP's default average for the experts (ep times too large: each
+expert copy already sums its ep group's tokens) and with their divide factor set to N.
 """
 import argparse
 import os
@@ -20,10 +26,11 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from distkit import print0, print_ranks, seed_everything, setup, teardown, write_json
 from distkit.comm import CollectiveLog
-from distkit.moe import ExpertParallel, expert_load, topk_margin
+from distkit.moe import ExpertParallel, apply_ep_fsdp, expert_load, topk_margin
 from distkit.toy import counting_data
 
 # Float32 (F.grouped_mm refuses float64 on a CPU). The EP path adds the same products in another
@@ -44,6 +51,8 @@ parser.add_argument("--layers", type=int, default=2)
 parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
 parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
+parser.add_argument("--ep", type=int, help="expert-parallel ranks inside FSDP2 (default: all; "
+                    "the mesh is N/ep x ep)")
 parser.add_argument("--json", help="write losses, errors, loads and bytes here (rank 0)")
 args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))
@@ -52,6 +61,9 @@ if min(args.experts, args.top_k, args.layers, args.hidden, args.batch, args.seq)
 if args.top_k > args.experts or args.experts % world or args.hidden % 4:
     parser.error(f"need --top-k <= --experts, --experts a multiple of {world} processes and "
                  "--hidden a multiple of 4 (the attention heads)")
+EP = args.ep or world
+if EP < 2 or world % EP:
+    parser.error(f"--ep {EP} must be >= 2 and divide the {world} processes")
 
 with warnings.catch_warnings():  # transformers imports tqdm, which may warn about ipywidgets
     warnings.simplefilter("ignore")
@@ -141,6 +153,32 @@ received = [sum(ep.stats["recv_sizes"]) for _, ep in layers]
 expected = [nb for rows in received for nb in (E * 8, T * k * row, rows * row)] \
     + [nb for rows in reversed(received) for nb in (T * k * row, rows * row)]
 calls_ok = [c[1] for c in calls] == expected
+# --- 2. inside FSDP2: the experts over efsdp, the rest over every rank -------------------------
+mesh = init_device_mesh(env.device.type, (N // EP, EP), mesh_dim_names=("efsdp", "ep"))
+everyone = mesh["efsdp", "ep"]._flatten("all")
+e_lo = mesh.get_local_rank("ep") * E // EP  # this rank's experts: E/ep from e_lo
+fsdp = {}
+for divide in (False, True):
+    seed_everything(0)
+    sharded = MixtralForCausalLM(config).to(env.device)
+    sharded.train()
+    apply_ep_fsdp(sharded, mesh, everyone, divide_experts=divide)
+    sharded(input_ids=mine, labels=mine).loss.backward()  # FSDP2 reduces the gradients
+    ratios, worst_fsdp = {"experts": [], "dense": []}, 0.0
+    for n, p in sharded.named_parameters():
+        grad = p.grad.full_tensor()  # this rank's experts, or the whole dense weight
+        ref = ref_params[n].grad[e_lo:e_lo + E // EP] if ".experts." in n else ref_params[n].grad
+        worst_fsdp = max(worst_fsdp, (grad - ref).abs().max().item())
+        ratios["experts" if ".experts." in n else "dense"].append((grad.norm() / ref.norm()).item())
+    worst_t = torch.tensor(worst_fsdp, device=env.device)
+    dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
+    fsdp["divide N" if divide else "FSDP default"] = {
+        "max_grad_diff": worst_t.item(), "parity": worst_t.item() < GRAD_TOL,
+        "experts_ratio": [min(ratios["experts"]), max(ratios["experts"])],
+        "dense_ratio": [min(ratios["dense"]), max(ratios["dense"])]}
+    del sharded
+fsdp_ok = fsdp["divide N"]["parity"] and not fsdp["FSDP default"]["parity"]
+
 print0(f"loss (mean over the ranks) vs one process: |difference| < {LOSS_TOL:.0e}: "
        f"{loss_diff < LOSS_TOL}; every gradient (experts: this rank's E/N) < {GRAD_TOL:.0e}: "
        f"{worst.item() < GRAD_TOL}")
@@ -157,7 +195,13 @@ print_ranks(f"all-to-alls of one step: {sum(not c[3] for c in calls)} forward, "
             f"{sum(c[3] for c in calls)} backward; bytes = the counts (E x 8 B), the {T * k} "
             f"rows this rank routes, the {received} rows its experts ran (x {H} x 4 B), "
             f"then their gradients: {calls_ok}")
-ok = parity and calls_ok
+print0(f"inside FSDP2, mesh efsdp {N // EP} x ep {EP} ({E // EP} experts per rank): every "
+       f"gradient vs one process's, |gradient| / one process's")
+for name, r in fsdp.items():
+    e, d_ = r["experts_ratio"], r["dense_ratio"]
+    print0(f"  experts' divide factor: {name:12s} < {GRAD_TOL:.0e}: {str(r['parity']):5s}  "
+           f"experts x{e[0]:.2f} to x{e[1]:.2f}, dense x{d_[0]:.2f} to x{d_[1]:.2f}")
+ok = parity and calls_ok and fsdp_ok
 print0(f"every check passed: {ok}")  # make gpu-smoke looks for this line
 write_json(args.json, {
     "ok": ok,
@@ -166,7 +210,7 @@ write_json(args.json, {
     "max_grad_diff": worst.item(), "parity": parity, "loads": loads,
     "router_margin": margin.item(),
     "sent": sent, "received": received, "collectives": calls,
-    "collectives_expected": calls_ok,
+    "collectives_expected": calls_ok, "ep": EP, "fsdp": fsdp, "fsdp_ok": fsdp_ok,
     "local_shapes": {"gate_up_proj": list(layers[0][0].mlp.experts.gate_up_proj.shape),
                      "down_proj": list(layers[0][0].mlp.experts.down_proj.shape)}})
 teardown()

@@ -13,14 +13,14 @@ a published model (every layer is the same, so the planner is evaluated at that 
   plays). Against distkit.cpep.cp_memory and cp_bytes.
 - ep: Mixtral 8x7B, --ep-seq tokens, FSDP2 over --ep-gpus GPUs, for each expert-parallel degree
   of --ep: each GPU holds E/ep experts (distkit.moe.ExpertParallel), FSDP-sharded over the
-  gpus/ep GPUs that hold the same ones (torchtitan's layout). Fake tensors hold no values, so
+  gpus/ep GPUs that hold the same ones (torchtitan's layout; distkit.moe.apply_ep_fsdp, whose
+  gradients moe_ep.py checks with real tensors). Fake tensors hold no values, so
   the router's choices cannot be counted: the simulation assumes they are spread evenly. Against
   distkit.cpep.moe_plan: the states, the gathered layer and every byte communicated.
 Limits (printed): CPU code paths (no CUDA streams or allocator); even routing; torch's private
 trackers (torch.distributed._tools).
 """
 import argparse
-import functools
 import json
 import sys
 import warnings
@@ -32,7 +32,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from distkit import int_list
@@ -40,7 +39,7 @@ from distkit.comm import CollectiveLog
 from distkit.cp import ulysses_attention
 from distkit.cpep import MOE_CONFIGS, cp_bytes, cp_memory, moe_plan
 from distkit.memory import LLAMA_CONFIGS
-from distkit.moe import ExpertParallel
+from distkit.moe import apply_ep_fsdp
 
 LIMITS = ("CPU code paths (no CUDA streams, no allocator caching), the router's choices assumed "
           "even (fake tensors hold no values), torch's private trackers")
@@ -135,28 +134,18 @@ def simulate_cp() -> dict:
 def simulate_ep(ep: int) -> dict:
     config = dict(MOE_CONFIGS["mixtral-8x7b"], num_hidden_layers=args.layers)
     config.pop("model_type")
-    n, seq, experts = args.ep_gpus, args.ep_seq, config["num_local_experts"]
+    n, seq = args.ep_gpus, args.ep_seq
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     mesh = init_device_mesh("cpu", (n // ep, ep), mesh_dim_names=("efsdp", "ep"))
     everyone = mesh["efsdp", "ep"]._flatten("all")
-    # fewer experts on a GPU than GPUs sharing them: shard each expert's rows, not the experts
-    # (dim 0 would be padded); torchtitan's rule (parallelize.py, apply_fsdp)
-    rows = (lambda p: Shard(1)) if experts // ep < n // ep else None
     with FakeTensorMode():
         model = MixtralForCausalLM(MixtralConfig(**config, max_position_embeddings=seq))
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False})
-        for layer in model.model.layers:
-            ex = layer.mlp.experts
-            if ep > 1:  # this GPU's E/ep experts, and the all-to-alls that feed them
-                ex.gate_up_proj = torch.nn.Parameter(ex.gate_up_proj[:experts // ep].clone())
-                ex.down_proj = torch.nn.Parameter(ex.down_proj[:experts // ep].clone())
-                run = ExpertParallel(ex, experts, mesh.get_group("ep"), even=True)
-                ex.forward = functools.partial(lambda x, i, w, run: run(x, w, i), run=run)
-            fully_shard(ex, mesh=mesh["efsdp"] if ep > 1 else everyone, mp_policy=POLICY,
-                        shard_placement_fn=rows)
-            fully_shard(layer, mesh=everyone, mp_policy=POLICY)
-        fully_shard(model, mesh=everyone, mp_policy=POLICY)
+        # E/ep experts per GPU (ExpertParallel over ep), FSDP2 over efsdp for them and over all
+        # GPUs for the rest; the experts' gradients divided by N (distkit.moe.apply_ep_fsdp;
+        # moe_ep.py checks that layout with real tensors against one process)
+        apply_ep_fsdp(model, mesh, everyone, mp_policy=POLICY, even=True)
         tokens = torch.randint(0, config["vocab_size"], (1, seq))
         out = step(model, tokens)
     dist.destroy_process_group()

@@ -174,3 +174,62 @@ def load_balancing_loss(logits, top_k: int):
     num_experts = logits.shape[-1]
     fraction = torch.bincount(picked.reshape(-1), minlength=num_experts) / logits.shape[0]
     return num_experts * (fraction * probs.mean(0)).sum()
+
+
+# --- expert parallelism inside FSDP2 ------------------------------------------------------------
+
+def apply_ep_fsdp(model, mesh, everyone, *, mp_policy=None, even: bool = False,
+                  divide_experts: bool = True) -> list[ExpertParallel]:
+    """torchtitan's MoE layout, on a Mixtral-shaped transformers model (each decoder layer's
+    `mlp.experts` holding gate_up_proj and down_proj for all E experts), a 2-D mesh ("efsdp",
+    "ep") of N ranks and `everyone`, that mesh flattened (flatten it outside FakeTensorMode):
+    each rank keeps the E/ep experts of its ep rank and runs them with `ExpertParallel` over
+    the ep group; FSDP2 shards those experts over the efsdp ranks
+    that hold the same ones, and everything else (attention, router, norms, embeddings) over
+    all N ranks. Returns each layer's ExpertParallel (its `stats`).
+
+    The gradients' scale. Each rank's loss is the mean over its own tokens and the global loss
+    the mean of the N ranks' (equal token counts; otherwise divide by the global count, as
+    fsdp_cp.py does). A dense weight is replicated: FSDP's default average over N is right.
+    An expert's gradient on one rank already sums the contributions of every rank of its ep
+    group (the all-to-all's backward brings them); FSDP's default would then average over the
+    N / ep efsdp replicas, leaving ep times the gradient of the mean loss. So the experts get
+    `set_gradient_divide_factor(N)` and sum reductions (`set_force_sum_reduction_for_comms`:
+    gloo refuses the PREMUL_SUM a divide factor otherwise uses; below), as transformers does
+    (transformers/distributed/fsdp.py). `divide_experts=False` is that mistake, kept for the
+    test that shows it. `even`: see ExpertParallel (fake tensors).
+
+    Experts fewer than their efsdp ranks are sharded on their rows (dim 1) instead of dim 0,
+    which FSDP2 would pad (torchtitan's rule, parallelize.py, apply_fsdp)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    n, ep = mesh.size(), mesh["ep"].size()
+    ep_rank = mesh.get_local_rank("ep")
+    runs = []
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        total = experts.gate_up_proj.shape[0]
+        if total % ep:
+            raise ValueError(f"ep {ep} must divide the {total} experts")
+        local = total // ep
+        rows = (lambda p: Shard(1)) if local < n // ep else None
+        if ep > 1:  # this rank's E/ep experts, and the all-to-alls that feed them
+            keep = slice(ep_rank * local, (ep_rank + 1) * local)
+            experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach()[keep].clone())
+            experts.down_proj = torch.nn.Parameter(experts.down_proj.detach()[keep].clone())
+            run = ExpertParallel(experts, total, mesh.get_group("ep"), even=even)
+            # MixtralSparseMoeBlock calls experts(hidden_states, top_k_index, top_k_weights)
+            experts.forward = lambda x, index, weights, run=run: run(x, weights, index)
+            runs.append(run)
+        fully_shard(experts, mesh=mesh["efsdp"], mp_policy=mp_policy, shard_placement_fn=rows)
+        if divide_experts:
+            experts.set_gradient_divide_factor(float(n))  # the world, not the efsdp replicas
+            # a SUM reduction and a division after it (gloo has no PREMUL_SUM); not on a
+            # one-rank efsdp group, where no collective runs and torch 2.13 would divide twice
+            # (foreach_reduce divides its copy by the factor, then again by the post-factor)
+            experts.set_force_sum_reduction_for_comms(n // ep > 1)
+        fully_shard(layer, mesh=everyone, mp_policy=mp_policy)
+    fully_shard(model, mesh=everyone, mp_policy=mp_policy)
+    return runs
