@@ -6,8 +6,9 @@ step it shows at; arguments and bad input.
 Budget of `make test`: one launch of the solution with its defaults (~10 CPU-s: every process
 imports torch and transformers; both runs, the checkpoint and the checks are in one launch; the
 assertions below pin 12 steps, the checkpoint after step 5) beside the checker's launch of a
-wrong answer (the epoch's shuffle forgotten). The checker at 3 ranks, on the solution and on the
-other wrong answers: `make test-nproc`. The untouched starter's first TODO is
+wrong answer (the skip off by one: the run's first batch never read, which the resume check
+alone cannot see). The checker at 3 ranks, on the solution and on the other wrong answers:
+`make test-nproc`. The untouched starter's first TODO is
 tests/test_exercises.py's. --help and bad input run in this process: argparse stops the scripts
 before setup().
 """
@@ -30,9 +31,11 @@ def runs(tmp_path_factory):
     from concurrent.futures import ThreadPoolExecutor
     tmp = tmp_path_factory.mktemp("ch05_ex")
     with ThreadPoolExecutor(2) as pool:
-        # the resumed epoch read in epoch 0's order: set_epoch forgotten
-        wrong = pool.submit(check_at_once, {"no_set_epoch": (
-            "05.1", ("loader.sampler.set_epoch(epoch)", "pass"))}, tmp / "wrong")
+        # "the next step is done + 1": every run skips its first batch, the resume and the
+        # uninterrupted run alike (they agree bit for bit: 15 PASS before the plain-loop check)
+        wrong = pool.submit(check_at_once, {"skip_off_by_one": (
+            "05.1", ("epoch, skip = divmod(done, len(loader))",
+                     "epoch, skip = divmod(done + 1, len(loader))"))}, tmp / "wrong")
         solution = run_json(tmp, NPROC, RESUME.format("solutions"))
         return {"solution": solution, **wrong.result()}
 
@@ -49,15 +52,29 @@ def at_3(tmp_path_factory):
         # the batches of the resumed epoch already trained on not skipped
         "no_skip": ("05.1", ("yield from itertools.islice(loader, skip, None)",
                              "yield from loader")),
+        # the resumed epoch read in epoch 0's order: set_epoch forgotten
+        "no_set_epoch": ("05.1", ("loader.sampler.set_epoch(epoch)", "pass")),
     }, tmp_path_factory.mktemp("ch05_ex3"), nprocs="largest")
 
 
-def test_a_forgotten_epoch_shuffle_is_named(runs):
-    ok, lines, _ = runs["no_set_epoch"]
+def test_a_skip_off_by_one_is_named(runs):
+    """The resume equals the uninterrupted run (both shifted); a plain loop over the epochs,
+    the independent reference, does not. Planted without that check: every check passes."""
+    ok, lines, _ = runs["skip_off_by_one"]
+    assert not ok
+    assert lines[-1] == (
+        "FAIL [2 ranks] step 1 of the uninterrupted run reads another batch than a plain loop "
+        "over the epochs (set_epoch, then every batch): every step read the next step's batch: "
+        "batches_after(loader, 0) skips one (divmod(done, len(loader)), not done + 1)")
+
+
+@pytest.mark.second_nproc
+def test_a_forgotten_epoch_shuffle_is_named(at_3):
+    ok, lines, _ = at_3["no_set_epoch"]
     assert not ok
     # the resume agrees with the uninterrupted run (both read every epoch alike): not a resume
     # check but the epochs' orders show it
-    assert lines[-1] == ("FAIL [2 ranks] the uninterrupted run reads epoch 1 in epoch 0's "
+    assert lines[-1] == ("FAIL [3 ranks] the uninterrupted run reads epoch 1 in epoch 0's "
                          "order: does batches_after() give each epoch its own shuffle "
                          "(set_epoch)?")
 
@@ -101,6 +118,7 @@ def test_resume_is_bit_identical(runs):
         assert res[check] == [True] * (s - k), check
     assert res["loaded_equal"] is res["bit_identical"] is res["digest_equal"] is True
     assert res["problem"] is None
+    assert res["plain_order"] == [True] * s and res["one_ahead"] is False
     assert len(res["digest"]) == 64
     assert first["losses"][-1] < first["losses"][0]  # it trains
 

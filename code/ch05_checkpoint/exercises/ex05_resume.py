@@ -195,6 +195,18 @@ first_digest = state_digest(model, optimizer)
 per_epoch = len(loader)
 reshuffled = args.steps < 2 * per_epoch or not all(
     torch.equal(first[i]["tokens"], first[i + per_epoch]["tokens"]) for i in range(per_epoch))
+# And against a plain loop over the epochs, which does not use batches_after(): step s reads
+# epoch (s - 1) // len(loader)'s batch (s - 1) % len(loader). A skip that is off by one shifts
+# the resume and the uninterrupted run alike (they agree), but not this.
+plain = []
+for epoch in range(args.steps // per_epoch + 2):
+    loader.sampler.set_epoch(epoch)
+    plain += [t.to(env.device) for (t,) in loader]
+in_order = torch.tensor([[torch.equal(r["tokens"], plain[i + ahead]) for ahead in (0, 1)]
+                         for i, r in enumerate(first)], dtype=torch.int32, device=env.device)
+dist.all_reduce(in_order, op=dist.ReduceOp.MIN)  # every rank's batch as a plain loop's
+plain_order = [bool(x) for x in in_order[:, 0].tolist()]
+one_ahead = bool(in_order[:, 1].all())  # every step read the plain loop's next batch
 del model, optimizer, scheduler, loader  # the restart keeps nothing in memory but the folder
 
 # 2. The restart: everything new, then the checkpoint loaded into it.
@@ -241,7 +253,7 @@ write_json(args.json, {
     "same_batch": same_batch, "same_lr": same_lr, "same_loss": same_loss,
     "loaded_equal": loaded_equal, "bit_identical": bit_identical,
     "digest_equal": digest_equal, "digest": first_digest, "problem": problem,
-    "reshuffled": reshuffled,
+    "reshuffled": reshuffled, "plain_order": plain_order, "one_ahead": one_ahead,
     "seconds": seconds})
 dist.barrier()  # every rank is done with the checkpoint before rank 0 removes it
 if not args.ckpt_dir and env.rank == 0:
