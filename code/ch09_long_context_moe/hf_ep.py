@@ -74,8 +74,8 @@ reference.train()
 ref_loss = reference(input_ids=tokens, labels=tokens).loss
 ref_loss.backward()
 
-model = AutoModelForCausalLM.from_pretrained(
-    folder, distributed_config=DistributedConfig(ep_size=N, fsdp_size=N))
+ep_config = DistributedConfig(ep_size=N, fsdp_size=N)
+model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=ep_config)
 model.train()
 experts = model.model.layers[0].mlp.experts.gate_up_proj
 dense = model.model.layers[0].self_attn.q_proj.weight
@@ -95,7 +95,8 @@ calls = {}
 for c in log.collectives:
     key = f"{c.op} ({'backward' if c.backward else 'forward'}) over {len(c.ranks)} ranks"
     calls[key] = calls.get(key, 0) + 1
-print0(f"DistributedConfig(ep_size={N}, fsdp_size={N}) on {N} ranks; {E} experts per layer")
+print0(f"DistributedConfig(ep_size={ep_config.ep_size}, fsdp_size={ep_config.fsdp_size}) on {N} "
+       f"ranks; {E} experts per layer")
 print0(f"layer 0 experts.gate_up_proj: global {tuple(experts.shape)}, on each rank "
        f"{tuple(experts.to_local().shape)}, placements {experts.placements}")
 print0(f"layer 0 self_attn.q_proj.weight: global {tuple(dense.shape)}, on each rank "

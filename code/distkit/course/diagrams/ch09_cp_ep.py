@@ -68,8 +68,8 @@ def cp_ring_attention(n: int = 4):
         ux, uy = dx / length, dy / length
         arrow(ax, (mx - 0.3 * ux, my - 0.3 * uy), (mx + 0.3 * ux, my + 0.3 * uy),
               color=INK, mutation=12, lw=1.4)
-    ax.text(cx, 0.3, "each step: pass my K/V block on and compute with\nthe one I hold; N - 1 "
-            "steps, merged by the online softmax", ha="center", fontsize=SMALL, color=INK)
+    ax.text(cx, 0.3, "each step: compute with the K/V block I hold, pass it on;\nN blocks, N - 1 "
+            "transfers, merged by the online softmax", ha="center", fontsize=SMALL, color=INK)
     # (b) and (c): who computes which scores
     _score_grid(ax, 5.0, 1.05, 3.0, contiguous(n), "contiguous chunks")
     _score_grid(ax, 9.05, 1.05, 3.0, head_tail(n), "head-tail (torch's default)")
