@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, RandomSampler
 
 from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit.dist import grad_norms
 from distkit.pipe import LlamaStage, Timeline, lm_loss, split_layers
 from distkit.toy import counting_data, tiny_llama
 
@@ -28,7 +29,8 @@ parser.add_argument("--samples", type=int, default=256, help="sequences in the d
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--layers", type=int, default=2, help="decoder layers (train_single.py's: 2)")
-parser.add_argument("--json", help="write per-step losses and every rank's compute spans here")
+parser.add_argument("--json", help="write per-step losses, step 1's gradient norms and every "
+                    "rank's compute spans here")
 args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))  # NEW: one slice of the layers per process
 if args.batch_size < 1 or args.samples < args.batch_size:
@@ -56,7 +58,7 @@ hidden_shape = (args.batch_size, data.tensors[0].shape[1], model.config.hidden_s
 timeline = Timeline(cuda=env.device.type == "cuda")  # NEW: when this rank computes (CUDA events)
 timeline.start()
 sent = 0  # NEW: bytes this rank sends to its neighbours
-losses = []
+losses, grads = [], None
 for epoch in range(args.epochs):
     shuffle.manual_seed(args.seed + epoch)  # a different order every epoch, the same every run
     for step, (tokens,) in enumerate(loader):
@@ -88,6 +90,8 @@ for epoch in range(args.epochs):
         if not is_first:
             dist.send(x.grad, dst=env.rank - 1)
             sent += x.grad.nbytes
+        if grads is None:  # step 1's gradients, every stage's, for the parity check
+            grads = grad_norms(model, gather=True)
         with timeline.span("step", step):  # every rank updates its own layers, all at once
             optimizer.step()
             optimizer.zero_grad()
@@ -103,7 +107,8 @@ spans = timeline.gather()  # NEW: every rank's compute spans, to draw the timeli
 box, sent_per_rank = [losses], [None] * env.world_size
 dist.broadcast_object_list(box, src=env.world_size - 1)
 dist.all_gather_object(sent_per_rank, sent // len(box[0]))
-write_json(args.json, {"losses": box[0], "spans": spans, "sent_bytes_per_step": sent_per_rank,
+write_json(args.json, {"losses": box[0], "grad_norms": grads, "spans": spans,
+                       "sent_bytes_per_step": sent_per_rank,
                        "activation_bytes": args.batch_size * hidden_shape[1] * hidden_shape[2] * 4,
                        "layers": split_layers(args.layers, env.world_size)})
 teardown()

@@ -6,9 +6,11 @@ The same stages as naive_split.py, but each batch is cut into --microbatches mic
 so that stage r can work on micro-batch i+1 while stage r+1 works on micro-batch i.
 torch.distributed.pipelining does the sends and receives and the order of the work: GPipe runs
 every forward, then every backward; 1F1B alternates one forward and one backward as soon as it
-can. Each schedule trains from the same initial weights, and both must match train_single.py:
-the loss is a mean over the batch, and the schedule averages the micro-batches' gradients
-(scale_grads=True), which is the gradient of that mean when the micro-batches are equal in size.
+can. Each schedule trains from the same initial weights, and both must match train_single.py,
+losses and step 1's gradients: the loss is a mean over the batch, and the schedule averages the
+micro-batches' gradients (scale_grads=True), which is the gradient of that mean when the
+micro-batches are equal in size (with scale_grads=False they would sum: m times too large,
+which AdamW's losses hide and the gradients show).
 New lines against naive_split.py say # NEW.
 """
 import argparse
@@ -20,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils.data import DataLoader, RandomSampler
 
 from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit.dist import grad_norms
 from distkit.pipe import LlamaStage, lm_loss, split_layers
 from distkit.toy import counting_data, tiny_llama
 
@@ -54,8 +57,9 @@ env = setup()
 is_first, is_last = env.rank == 0, env.rank == env.world_size - 1
 
 
-def train(schedule_name: str) -> list[float]:
-    """train_single.py's training, pipelined with one schedule."""
+def train(schedule_name: str) -> tuple[list[float], dict]:
+    """train_single.py's training, pipelined with one schedule: its losses, and step 1's
+    gradient norms (every stage's parameters)."""
     seed_everything(args.seed)
     model = tiny_llama(layers=args.layers)
     first, last = split_layers(model.config.num_hidden_layers, env.world_size)[env.rank]
@@ -69,7 +73,7 @@ def train(schedule_name: str) -> list[float]:
     shuffle = torch.Generator()
     sampler = RandomSampler(data, generator=shuffle)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    losses = []
+    losses, grads = [], None
     for epoch in range(args.epochs):
         shuffle.manual_seed(args.seed + epoch)  # a different order every epoch, the same every run
         for (tokens,) in loader:
@@ -84,6 +88,8 @@ def train(schedule_name: str) -> list[float]:
                 losses.append(torch.stack(mb_losses).mean().item())  # = the batch's mean loss
             else:
                 schedule.step()  # a middle stage only passes activations and gradients on
+            if grads is None:  # step 1's gradients, every stage's, for the parity check
+                grads = grad_norms(model, gather=True)
             optimizer.step()
             optimizer.zero_grad()
         epoch_loss = torch.tensor(losses[-1] if is_last else 0.0, device=env.device)
@@ -92,9 +98,11 @@ def train(schedule_name: str) -> list[float]:
                f"loss {epoch_loss.item():.3f}")
     box = [losses]
     dist.broadcast_object_list(box, src=env.world_size - 1)
-    return box[0]
+    return box[0], grads
 
 
 results = {name: train(name) for name in schedules}
-write_json(args.json, {"microbatches": args.microbatches, "losses": results})
+write_json(args.json, {"microbatches": args.microbatches,
+                       "losses": {name: losses for name, (losses, _) in results.items()},
+                       "grad_norms": {name: grads for name, (_, grads) in results.items()}})
 teardown()
