@@ -105,10 +105,12 @@ def capstone_step():
              forward=last, size=SMALL + 0.5)
     comm(ax, x_of("clip"), cols["clip"][1], cm, comm_h, "all-reduce:\n‖g‖ over all\nshards",
          size=SMALL + 0.5)
-    comm(ax, x_of("adam"), cols["adam"][1], cm, comm_h, "none", forward=False,
+    # agree(): the loss, the norm and the stop flag are all-reduced BEFORE optimizer.step(), so
+    # a non-finite step stops every rank before it reaches the weights (issue 45)
+    comm(ax, x_of("adam"), cols["adam"][1], cm, comm_h, "first:\nall-reduce\nloss, stop flag",
          size=SMALL + 0.5)
-    comm(ax, x_of("end"), cols["end"][1], cm, comm_h, "all-reduce: loss,\nstop flag;\n"
-         "all-gather: memory", size=SMALL + 0.5)
+    comm(ax, x_of("end"), cols["end"][1], cm, comm_h, "all-gather:\nmemory (on\nlogging steps)",
+         size=SMALL + 0.5)
     ny = l1 - 0.22
     for i, note in enumerate((
             "model.set_requires_gradient_sync(i == accum − 1): micro-batch 0's backward keeps "
@@ -163,12 +165,12 @@ def capstone_step():
         box(ax, x_at(s - 1) + 0.02, sy, sw - 0.04, sh, str(s), size=SMALL,
             face="white" if later else SHARED, edge=FAINT if later else "0.45",
             ls="--" if later else "-", color="0.45" if later else INK, round_=0.03)
-    # a stop signal during step 17: the flag rides on the end-of-step all-reduce
+    # a stop signal during step 17: the flag rides on the all-reduce before AdamW
     gy = sy - 0.3
     arrow(ax, (x_at(stop_at - 0.5), gy - 0.06), (x_at(stop_at - 0.5), sy), color=WRONG,
           lw=1.6, mutation=10)
     ax.text(x_at(stop_at - 0.5) - 0.12, gy, "SIGTERM (Slurm, before its time limit) or SIGUSR1: "
-            "the handler sets a flag; the end-of-step all-reduce tells every rank", ha="right",
+            "the handler sets a flag; the all-reduce before AdamW tells every rank", ha="right",
             va="center", fontsize=SMALL, color=WRONG)
     ax.text(x_at(stop_at + 1.5), gy, "run again\nwith --resume", ha="center", va="center",
             fontsize=SMALL, color="0.35", linespacing=1.15)
