@@ -169,9 +169,33 @@ def test_cp_plan_is_chapter_08s_model_at_seq_over_cp_and_the_byte_formulas():
         cpep.cp_bytes(c, cp=16, seq=131072, method="ulysses")  # 8 KV heads
     with pytest.raises(ValueError, match="must divide"):
         cpep.cp_memory(c, gpus=12, cp=8, seq=131072)
-    # a ring step hides its transfer above H_kv eff peak / (H bandwidth) tokens per GPU
-    assert math.isclose(cpep.ring_overlap_tokens(c, peak=989e12, bandwidth=450e9),
-                        8 * 0.5 * 989e12 / (32 * 450e9))
+    # a ring step hides its transfer above H_kv eff peak / (H bandwidth) tokens per GPU with
+    # contiguous chunks, twice that with head-tail (half blocks: test_ring_steps_after_the_first)
+    contiguous = cpep.ring_overlap_tokens(c, peak=989e12, bandwidth=450e9, layout="contiguous")
+    assert math.isclose(contiguous, 8 * 0.5 * 989e12 / (32 * 450e9))
+    assert cpep.ring_overlap_tokens(c, peak=989e12, bandwidth=450e9) == 2 * contiguous
+    # torch's all-gather holds the whole sequence's K and V during a layer's attention
+    assert cpep.kv_gather_bytes(c, seq=131072) == 2 * 131072 * 8 * 128 * 2 == 2**29  # 0.5 GiB
+    # the loss in chunks: what the planner passes on (review expert_ch09 F1)
+    assert cpep.cp_memory(c, gpus=8, cp=2, seq=131072, loss_chunks=8) == llama_training_bytes(
+        c, ranks=8, seq=65536, batch=1, precision="bf16", attn="sdpa", ac="full", loss_chunks=8)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_steps_after_the_first_are_half_blocks_with_head_tail(n):
+    """Scores each rank computes at ring step i (K/V of rank r - i), in units of a full block
+    (S/N)^2: head-tail 1/2 at every step after the first, on every rank (so the overlap
+    threshold doubles, review expert_ch09 F3); contiguous 1 below the diagonal, 0 above (rank 0
+    idles while its transfers run)."""
+    def steps(layout):
+        chunks = sum(len(cs) for cs in layout)
+        part = (n / chunks) ** 2  # one chunk pair, in full blocks
+        return [[sum(part for qc in layout[r] for kc in layout[(r - i) % n]
+                     if cp.pair_kind(qc, kc, True) == "full") for i in range(1, n)]
+                for r in range(n)]
+    assert all(w == 0.5 for row in steps(cp.head_tail(n)) for w in row)
+    assert steps(cp.contiguous(n))[0] == [0] * (n - 1)
+    assert steps(cp.contiguous(n))[n - 1] == [1] * (n - 1)
 
 
 def test_moe_plan():

@@ -60,16 +60,28 @@ PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9), "mixtral-8x22b": (141e9, 39e9),
 # --- context parallelism -------------------------------------------------------------------------
 
 def cp_memory(config, *, gpus: int, cp: int, seq: int, batch: int = 1, ac: str = "full",
-              precision: str = "bf16", attn: str = "sdpa") -> dict:
+              precision: str = "bf16", attn: str = "sdpa", loss_chunks: int = 1) -> dict:
     """Bytes per GPU at the step's peak with context parallelism: chapter 08's Llama model
     (distkit.memory.llama_training_bytes, FSDP2 over all `gpus`, which are dp x cp) at seq / cp
-    tokens per sequence. Ring and Ulysses save what SDPA saves for those tokens (fsdp_cp.py
-    measures it); Ulysses holds one more copy of each layer's attention output, outside this
-    model (a fraction of a percent at the peaks here)."""
+    tokens per sequence; `loss_chunks` > 1 computes the loss chunk by chunk (the logits and their
+    gradients exist for one chunk at a time). Ring and Ulysses save what SDPA saves for those
+    tokens (fsdp_cp.py measures it); outside this model: Ulysses' one more copy of each layer's
+    attention output (a fraction of a percent at the peaks here) and torch's all-gather of the
+    whole sequence's K and V while a layer's attention runs (`kv_gather_bytes`)."""
     if seq % cp or gpus % cp:
         raise ValueError(f"cp {cp} must divide seq {seq} and gpus {gpus}")
     return llama_training_bytes(config, ranks=gpus, seq=seq // cp, batch=batch,
-                                precision=precision, attn=attn, ac=ac)
+                                precision=precision, attn=attn, ac=ac, loss_chunks=loss_chunks)
+
+
+def kv_gather_bytes(config, *, seq: int, batch: int = 1, elem: int = 2) -> float:
+    """The buffer torch's context parallelism holds with its default rotation ("allgather",
+    _AllGatherRotater): K and V of the whole sequence, 2 x batch x seq x kv_heads x head_dim
+    values, while one layer's attention runs (forward, and again in the backward, with float32
+    dK/dV buffers besides). One layer at a time, so not multiplied by the layers; not in
+    `cp_memory`. Llama 3.1 8B, 131,072 tokens, bf16: 0.5 GiB; at 1M tokens 4 GiB."""
+    c = SimpleNamespace(**config) if isinstance(config, dict) else config
+    return 2 * batch * seq * c.num_key_value_heads * head_dim(c) * elem
 
 
 def cp_bytes(config, *, cp: int, seq: int, batch: int = 1, method: str = "ring",
@@ -96,13 +108,21 @@ def cp_bytes(config, *, cp: int, seq: int, batch: int = 1, method: str = "ring",
     return c.num_hidden_layers * per_layer if cp > 1 else 0.0
 
 
-def ring_overlap_tokens(config, *, peak: float, bandwidth: float, eff: float = 0.5) -> float:
-    """Tokens per GPU (seq / cp) above which a ring step's computation outlasts the transfer of
-    the next K/V block, so the transfer hides: the block's forward attention is 4 c^2 H d FLOPs
-    (two matmuls over c x c scores; causal blocks below the diagonal are full), the block 2 c
-    H_kv d x 2 bytes in bf16: c >= H_kv x eff x peak / (H x bandwidth)."""
+def ring_overlap_tokens(config, *, peak: float, bandwidth: float, eff: float = 0.5,
+                        layout: str = "head-tail") -> float:
+    """Tokens per GPU (c = seq / cp) above which a ring step's computation outlasts the transfer
+    of the next K/V block, so the transfer hides. The block is 2 c H_kv d values, 4 c H_kv d
+    bytes in bf16. Its forward attention: 4 H d FLOPs per score (two matmuls). Contiguous
+    chunks: a block below the diagonal is c x c scores, so c >= H_kv eff peak / (H bandwidth).
+    Head-tail (torch's default, distkit.cp.head_tail): every step after the first computes half
+    a block, c^2 / 2 scores (the rank's early chunk skips the block's late half, or only its
+    late chunk sees the block: distkit.cp.pair_kind, torch's _templated_ring_attention), so the
+    threshold is twice that."""
     c = SimpleNamespace(**config) if isinstance(config, dict) else config
-    return c.num_key_value_heads * eff * peak / (c.num_attention_heads * bandwidth)
+    if layout not in ("head-tail", "contiguous"):
+        raise ValueError(f"layout must be head-tail or contiguous, got {layout!r}")
+    half = 2 if layout == "head-tail" else 1
+    return half * c.num_key_value_heads * eff * peak / (c.num_attention_heads * bandwidth)
 
 
 # --- mixture of experts --------------------------------------------------------------------------
