@@ -19,6 +19,7 @@ from test_ch06_scripts import INJECT
 
 sys.path.insert(0, str(CODE / "ch06_capstone"))
 import corpus  # noqa: E402
+import guard  # noqa: E402
 
 SETTINGS = ["--seq-len", "32", "--batch-size", "8", "--micro-batch", "2", "--max-steps", "6",
             "--warmup", "2", "--seed", "3"]
@@ -55,13 +56,16 @@ def test_standalone_recipe_equals_train_llama(runs):
 
 def test_standalone_recipe_resumes_on_another_world_size(runs):
     """Its DCP checkpoint of step 3 (2 ranks) loads on 1 rank, which trains steps 4-6 as the
-    2-rank run did (float noise: another reduction order)."""
+    2-rank run did (float noise: another reduction order). The newest checkpoint, step 6's, has
+    a truncated shard: it is reported and skipped, not the end of every resume."""
     tmp, tokens, _ = runs
     shutil.copytree(tmp / "recipe", tmp / "resumed")
-    shutil.rmtree(tmp / "resumed" / "checkpoints" / "step_000006")
+    newest = tmp / "resumed" / "checkpoints" / "step_000006" / "__1_0.distcp"
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated: the newest does not load
     (tmp / "resumed" / "losses.jsonl").unlink()
     proc = run_ok(1, "ch06_capstone/fsdp2_recipe.py", *SETTINGS, "--tokens", tokens, "--out",
                   tmp / "resumed", "--resume", timeout=600)
+    assert "checkpoint step_000006: " in proc.stdout and "; skipped" in proc.stdout  # faults 6
     assert "resumed from step 3" in proc.stdout
     before = losses(tmp / "recipe" / "losses.jsonl")
     after = losses(tmp / "resumed" / "losses.jsonl")
@@ -172,3 +176,20 @@ def test_recipe_bad_input(monkeypatch, capsys, tmp_path, args, message):
     status, _, err = run_in_process(monkeypatch, capsys, "ch06_capstone/fsdp2_recipe.py", *args,
                                     env={"WORLD_SIZE": "2"})
     assert status == 2 and message in err.strip().splitlines()[-1]
+
+
+def test_lr_schedule_itself():
+    """M6 (mutations.md): train_llama.py's schedule, tested on its own (not only against
+    fsdp2_recipe.py's copy, which a shared refactor would change alike): step 0 is at
+    lr / warmup (not 0: an off-by-one warm-up), step warmup - 1 at the peak, the last step
+    (max_steps - 1) at min_lr, the middle of the decay halfway, and no step outside
+    [min_lr, lr]."""
+    lr, low, warm, steps = 3e-3, 3e-4, 4, 20
+    at = [guard.lr_at(s, lr, low, warm, steps) for s in range(steps)]
+    assert at[:warm] == pytest.approx([lr / 4, lr / 2, 3 * lr / 4, lr], rel=1e-12)
+    assert at[-1] == pytest.approx(low, rel=1e-12)
+    mid = warm + (steps - 1 - warm) / 2  # 11.5: halfway through the decay, between 11 and 12
+    assert guard.lr_at(mid, lr, low, warm, steps) == pytest.approx((lr + low) / 2, rel=1e-12)
+    assert all(a >= b for a, b in zip(at[warm - 1:], at[warm:]))  # decays, never rises
+    assert min(at[warm:]) >= low and max(at) == pytest.approx(lr, rel=1e-12)
+    assert guard.lr_at(0, lr, low, 0, steps) == pytest.approx(lr)  # --warmup 0: peak at once

@@ -50,6 +50,8 @@ BAD_INPUT = [
     (["--preset", "llama-70b"], {}, "invalid choice: 'llama-70b'"),
     (["--profile-step", "0"], {}, "--profile-step must be >= 1"),
     (["--resume", "--overwrite"], {}, "--resume continues OUT's run, --overwrite deletes it"),
+    (["--change-schedule"], {}, "--change-schedule changes a resumed run's schedule: it needs"),
+    (["--spike-factor", "0.5"], {}, "--spike-factor must be 0 (off) or more than 1"),
 ]
 
 
@@ -107,7 +109,92 @@ def test_refuses_to_start_over_a_previous_run(monkeypatch, capsys, tmp_path):
     assert (tmp_path / "metrics.jsonl").exists()  # nothing deleted by the checks
 
 
+@pytest.mark.parametrize("files, message", [
+    ({"notes.txt": "mine"}, "holds files no run of train_llama.py writes (notes.txt)"),
+    ({"run.json": '{"model": "mine"}', "hf": None},
+     "holds files no run of train_llama.py writes (run.json (not one this script wrote))"),
+])
+def test_a_folder_that_is_not_a_run_is_refused(monkeypatch, capsys, tmp_path, files, message):
+    """faults.md 4b: a non-empty --out that holds what no run of this script writes (or a
+    run.json that is not one of ours) is refused, with --overwrite too (which deleted an
+    hf/ and a profile/ it had not written); an empty one is accepted."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(text) if text else (tmp_path / name).mkdir()
+    for extra in ([], ["--overwrite"]):
+        status, _, err = run_in_process(monkeypatch, capsys, SCRIPT, "--out", tmp_path, *extra)
+        assert status == 2 and message in err.strip().splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)  # nothing touched
+    (tmp_path / "empty").mkdir()
+    status, _, _ = run_in_process(monkeypatch, capsys, SCRIPT, "--out", tmp_path / "empty")
+    assert "not started by torchrun" in str(status)  # past the checks
+
+
+def test_a_read_only_out_is_one_line(monkeypatch, capsys, tmp_path):
+    """faults.md 4c: a read-only --out fails in parse_args (one line), not in 2 tracebacks.
+    (Tests run as root, whom no permission stops: the file system's answer is planted.)"""
+    import os
+    monkeypatch.setattr(os, "access", lambda path, mode: mode != os.W_OK)
+    status, _, err = run_in_process(monkeypatch, capsys, SCRIPT, "--out", tmp_path / "o")
+    assert status == 2 and err.strip().splitlines()[-1].endswith(
+        f"--out {tmp_path / 'o'}: {tmp_path} is not writable (a read-only file system, or its "
+        "permissions)")
+
+
+def test_one_run_per_folder(monkeypatch, capsys, tmp_path):
+    """faults.md 4e: two launches into one --out at the same moment both ran. Global rank 0 now
+    locks OUT/.lock (flock) before anything is written: while a run holds it, a second one is
+    refused in one line naming the holder; the lock of a run that died (a .lock file left, its
+    flock gone with the process) is no lock."""
+    import fcntl
+    held = open(tmp_path / ".lock", "w")  # a first run, holding it, as guard.lock() leaves it
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    held.write("host node7, pid 4242, since 2026-11-29 05:00:00\n")
+    held.flush()
+    status, _, err = run_in_process(monkeypatch, capsys, SCRIPT, "--out", tmp_path)
+    assert status == 2 and re.fullmatch(
+        rf"train_llama.py: --out {tmp_path} is in use by another run \(host node7, pid 4242, "
+        r"since 2026-11-29 05:00:00\): wait for it to end, or choose another --out",
+        err.strip().splitlines()[-1]), err
+    held.close()  # the first run ends (or dies: the kernel drops its flock alike)
+    assert (tmp_path / ".lock").exists()  # a stale file, no lock
+    status, _, _ = run_in_process(monkeypatch, capsys, SCRIPT, "--out", tmp_path)
+    assert "not started by torchrun" in str(status)  # past the lock
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"text": "unterminated\n', "corpus.jsonl:31: not a JSON record (Invalid control "
+     "character, column 23)"),
+    ('{"body": "no text field"}\n', "corpus.jsonl:31: no text field 'text' in this record "
+     "(--text-field)"),
+])
+def test_a_bad_jsonl_record_is_file_and_line(tmp_path, line, message):
+    """faults.md 5e: a bad record past the first (record 31: the check of --data reads only the
+    first) is one line, FILE:LINE: what, from rank 0's tokenization; its temporary folder is
+    removed."""
+    lines = [json.dumps({"text": f"record {i} " * 20}) + "\n" for i in range(40)]
+    lines[30] = line
+    (tmp_path / "corpus.jsonl").write_text("".join(lines))
+    with pytest.raises(SystemExit) as stop:
+        corpus.prepare(tmp_path / "data", 300, paths=[tmp_path / "corpus.jsonl"])
+    assert str(stop.value) == f"{tmp_path}/{message}"
+    assert list((tmp_path / "data").iterdir()) == []  # no .tmp-HOST-PID folder left
+
+
+def test_a_rank_waiting_for_data_leaves_on_a_signal(tmp_path):
+    """faults.md 5e: while rank 0 tokenizes, the others poll for its index.json; when rank 0
+    fails, torchrun's SIGTERM (the handler raises a flag) makes them leave at once, not after
+    the grace period (30 s; 240 s under the sbatch)."""
+    import time
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit, match="rank 1: stopped by a signal while waiting for rank "
+                                         "0's token cache"):
+        corpus.prepare_on_ranks(1, tmp_path, 300, stopped=lambda: True)
+    assert time.monotonic() - t0 < 1
+
+
 @pytest.mark.parametrize("name, content, message", [
+    ("e.jsonl", "\n", "e.jsonl: no records (an empty file)"),
+    ("e.txt", "", "e.txt: an empty file"),
     ("a.jsonl", '{"body": "x"}\n', "a.jsonl: its first record has no field 'text' (--text-field)"),
     ("b.parquet", "PAR1", "b.parquet: reading parquet needs the pyarrow package"),
     ("c", None, "c: a folder, but not one that datasets' save_to_disk wrote"),
@@ -291,7 +378,8 @@ def test_resume_from_the_last_step(exported):
 INJECT = r"""
 import os, runpy, signal, sys, threading
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 from transformers import LlamaForCausalLM
 sys.path.insert(0, os.path.join(os.environ["CODE"], "ch06_capstone"))
 import corpus
@@ -303,6 +391,7 @@ def at(name):  # "RANK:N" -> N on that rank, else None
     return int(value.split(":")[1]) if value and int(value.split(":")[0]) == RANK else None
 
 nan_loss, bad_update, kill = at("NAN_LOSS_AT"), at("BAD_UPDATE_AT"), at("KILL_AT")
+nan_state, lr_spike = at("NAN_STATE_AT"), at("LR_SPIKE_AT")
 count = {"forward": 0, "step": 0}
 forward = LlamaForCausalLM.forward
 def poisoned(self, *args, **kwargs):  # training forward number N returns a NaN loss
@@ -322,9 +411,20 @@ def after_step(optimizer, args, kwargs):  # after this process's AdamW step N
         with torch.no_grad():
             p = optimizer.param_groups[0]["params"][0]
             (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] = float("nan")
+    if count["step"] == nan_state:  # one element of AdamW's exp_avg_sq shard becomes NaN
+        with torch.no_grad():
+            v = optimizer.state[optimizer.param_groups[0]["params"][0]]["exp_avg_sq"]
+            (v.to_local() if hasattr(v, "to_local") else v).view(-1)[0] = float("nan")
     if count["step"] == kill:
         os.kill(os.getpid(), signal.SIGKILL)
 register_optimizer_step_post_hook(after_step)
+
+def before_step(optimizer, args, kwargs):  # this process's AdamW step N at 10,000 x the LR
+    if lr_spike is not None and count["step"] + 1 == lr_spike and any(
+            group["lr"] for group in optimizer.param_groups):
+        for group in optimizer.param_groups:
+            group["lr"] *= 1e4  # (the loop sets every step's LR afresh)
+register_optimizer_step_pre_hook(before_step)
 
 if at("TERM_AT_START") is not None:  # a preemption while the token cache is prepared
     prepare = corpus.prepare_on_ranks
@@ -471,7 +571,8 @@ def chaos(tmp_path_factory, inject):
     shutil.copy(tmp / "corpus.jsonl", tmp / "scratch" / "corpus.jsonl")
     third = run_launcher(2, SCRIPT, "--data", tmp / "scratch" / "corpus.jsonl", *common,
                          "--resume", timeout=600)
-    return {"tmp": tmp, "out": out, "hashes": hashes, "runs": (first, second, third),
+    return {"tmp": tmp, "out": out, "common": common, "hashes": hashes,
+            "runs": (first, second, third),
             "after_kill": after_kill, "after_nan": after_nan, "rows_second": rows_second,
             "failed": failed}
 
@@ -533,6 +634,125 @@ def test_async_saves_reuse_one_pinned_host_copy(chaos):
     staged = run_info(chaos["out"])["staged_host_bytes"]
     assert len(staged) == 2  # the resumed run's saves, of steps 10 and 15
     assert staged[0]["bytes"] > 0 and all(s["reused"] == s["bytes"] for s in staged[1:])
+
+
+def test_a_resume_with_no_usable_checkpoint_changes_nothing(chaos, tmp_path):
+    """faults.md 5b (HIGH): a shard truncated in every checkpoint of a finished run. --resume
+    skipped them all and trained from step 0 with exit 0, its old metrics deleted and the
+    damaged checkpoints overwritten (the sbatch always passes --resume). Now: refused, every
+    checkpoint named with its reason, no file changed. (One rank: 1 launch.)"""
+    out = tmp_path / "run"
+    shutil.copytree(chaos["out"], out)
+    for folder in CheckpointDir(out / "checkpoints").committed():  # steps 5, 10, 15
+        shard = folder / "__1_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:1000])
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    args = [a if a != chaos["out"] else out for a in chaos["common"]]
+    proc = run_launcher(1, SCRIPT, "--data", chaos["tmp"] / "corpus.jsonl", *args, "--resume",
+                        timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("train_llama.py: --resume")]
+    assert line and line[0].startswith(
+        f"train_llama.py: --resume: 3 checkpoint(s) in {out / 'checkpoints'}, none usable "
+        "(step_000015: __1_0.distcp has 1000 bytes, the manifest says ")
+    assert "; step_000010: __1_0.distcp has 1000 bytes" in line[0]
+    assert line[0].endswith("); nothing changed: restore a checkpoint's files, or start over "
+                            "in another folder")
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A pydoc token cache (built here, in-process) and the 1-rank settings of the bad-update
+    runs: 12 steps, a save every 3, held-out loss only at the end."""
+    tmp = tmp_path_factory.mktemp("bad_updates")
+    corpus.prepare(tmp / "data", 300)
+    return tmp, ["--data-dir", tmp / "data", "--vocab-size", "300", "--seq-len", "32",
+                 "--batch-size", "4", "--micro-batch", "2", "--max-steps", "12", "--warmup",
+                 "2", "--eval-every", "100", "--eval-sequences", "4", "--save-every", "3",
+                 "--keep", "2", "--no-progress", "--no-export"]
+
+
+def test_nan_in_optimizer_state_is_never_committed(small, inject):
+    """faults.md 3d: after rank 1's update of save step 6, one element of its AdamW exp_avg_sq
+    shard is NaN. Step 7's loss is finite (the state is used only by step 7's update), so the
+    loss check passed and step 6 was committed with the NaN: every --resume then failed at
+    step 8. Now every rank checks its shards (weights and optimizer state) at the save, and
+    the next step's all-reduce carries the flag: step 6's save is discarded, exit 3."""
+    tmp, args = small
+    out = tmp / "nan_state"
+    proc = faulty(inject, 2, *args, "--out", out, NAN_STATE_AT="1:6")
+    assert proc.returncode == 1 and "failed first (exit code 3)" in proc.stdout + proc.stderr
+    assert ("train_llama.py: a non-finite value in step 6's weights or optimizer state (checked "
+            "before its commit) at step 7: stopped before the optimizer step; step 6's save "
+            "discarded (it may hold the update that led here); newest checkpoint: step_000003"
+            ) in proc.stderr, proc.stderr
+    assert json.loads((out / "failed.json").read_text()) == {
+        "reason": "non-finite", "step": 7, "retry": False, "newest_checkpoint": "step_000003"}
+    assert [p.name for p in CheckpointDir(out / "checkpoints").committed()] == ["step_000003"]
+
+
+@pytest.fixture(scope="module")
+def spiked(small, inject):
+    """faults.md 3e: the update of save step 6 at 10,000 x the LR (finite, but the loss goes
+    from ~4.7 to ~10^4)."""
+    tmp, args = small
+    out = tmp / "spike"
+    return out, faulty(inject, 1, *args, "--out", out, LR_SPIKE_AT="0:6")
+
+
+def test_a_loss_spike_at_a_save_step_is_never_committed(spiked):
+    """faults.md 3e: the bad update stayed finite, so steps 6 and 9 were committed with it and
+    the run crashed later (OverflowError in exp(eval loss), exit 1, requeued from the poisoned
+    step). The loss-spike guard (--spike-factor 3, the default) stops at step 7, before its
+    update: step 6's save is discarded, failed.json says why, exit 3."""
+    out, proc = spiked
+    assert proc.returncode == 1 and "failed first (exit code 3)" in proc.stdout + proc.stderr
+    assert re.search(r"train_llama.py: loss \S+ is more than --spike-factor 3 x the mean \S+ of "
+                     r"the last 6 steps at step 7: stopped before the optimizer step; step 6's "
+                     r"save discarded", proc.stderr), proc.stderr
+    assert json.loads((out / "failed.json").read_text()) == {
+        "reason": "loss-spike", "step": 7, "retry": False, "newest_checkpoint": "step_000003"}
+    assert [p.name for p in CheckpointDir(out / "checkpoints").committed()] == ["step_000003"]
+
+
+@pytest.mark.second_nproc
+def test_past_a_bad_region_with_a_lower_lr(spiked, small):
+    """docs/cluster.md's remedy for exit 3, which a resume refused ("the checkpoint's run had
+    --lr ..."): --resume-from an older step with --change-schedule and a lower --lr runs to the
+    end, and run.json records the change (from which step, what it was, what it is)."""
+    out, _ = spiked
+    tmp, args = small
+    proc = run_ok(1, SCRIPT, *args, "--out", out, "--resume-from", "3", "--change-schedule",
+                  "--lr", "1e-3", "--min-lr", "1e-4", timeout=600)
+    assert "resumed from step_000003: step 3 of 12" in proc.stdout
+    assert "--change-schedule at step 3: --lr 0.003 -> 0.001, --min-lr 0.0003 -> 0.0001" \
+        in proc.stdout
+    assert run_info(out)["schedule_changes"] == [{
+        "step": 3, "was": {"--lr": 0.003, "--min-lr": 0.0003},
+        "now": {"--lr": 0.001, "--min-lr": 0.0001}}]
+    assert not (out / "failed.json").exists()
+    rows = rows_of(out)
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13))
+    assert rows[-1]["lr"] == pytest.approx(1e-4)
+
+
+@pytest.mark.second_nproc
+def test_an_evaluation_that_overflows_is_a_non_finite_stop(small, inject):
+    """faults.md 3e: with the spike guard off, the bad update of step 6 meets the held-out
+    evaluation of step 6: math.exp(eval loss) overflowed (exit 1, no failed.json, so the
+    sbatch requeued it). Now a non-finite stop: exit 3, failed.json; step 3's checkpoint (a
+    finite step followed it) is the newest."""
+    tmp, args = small
+    out = tmp / "eval_overflow"
+    args = [a if a != "100" else "6" for a in args]  # --eval-every 6
+    proc = faulty(inject, 1, *args, "--out", out, "--spike-factor", "0", LR_SPIKE_AT="0:6")
+    assert proc.returncode == 1 and "failed first (exit code 3)" in proc.stdout + proc.stderr
+    assert "train_llama.py: held-out loss " in proc.stderr and " after step 6 at step 7" \
+        in proc.stderr, proc.stderr
+    assert json.loads((out / "failed.json").read_text())["reason"] == "non-finite"
+    assert [p.name for p in CheckpointDir(out / "checkpoints").committed()] == ["step_000003"]
 
 
 @pytest.mark.second_nproc

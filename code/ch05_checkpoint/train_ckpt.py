@@ -29,6 +29,7 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -73,6 +74,8 @@ if args.resume == "latest" and not args.ckpt_dir:
     parser.error("--resume without a folder needs --ckpt-dir")
 if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
     parser.error(f"--resume: no checkpoint folder {args.resume}")
+if args.resume not in (None, "latest") and (why := CheckpointDir.problem(Path(args.resume))):
+    parser.error(f"--resume {args.resume}: {why}")  # NEW: its files checked before any load
 
 env = setup()
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # NEW: torchrun's attempt number
@@ -147,7 +150,9 @@ progress = Progress()
 state = {"app": AppState(model, optimizer), "progress": progress,
          "rng": RNGState(env.rank, env.device)}
 ckpt = CheckpointDir(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
-start = ckpt.latest() if args.resume == "latest" else args.resume
+# NEW: the newest checkpoint that checks out; None if there is none yet. If there are some but
+# none checks out, the run stops and changes nothing (starting over would overwrite them)
+start = ckpt.resume_point("train_ckpt.py") if args.resume == "latest" else args.resume
 resumed_from = None
 if start:
     # NEW: each rank reads the pieces of the saved tensors that overlap its own shards, whatever

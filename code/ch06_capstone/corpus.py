@@ -37,7 +37,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import contextlib
 import os
+import shutil
 import socket
 import sys
 import time
@@ -84,8 +86,12 @@ def check(paths, field: str = "text") -> str | None:
             elif how == "jsonl":
                 with open(path, encoding="utf-8") as f:
                     first = next((ln for ln in f if ln.strip()), None)
-                if first is not None and field not in json.loads(first):
+                if first is None:
+                    return f"{path}: no records (an empty file)"
+                if field not in json.loads(first):
                     return f"{path}: its first record has no field {field!r} (--text-field)"
+            elif path.stat().st_size == 0:
+                return f"{path}: an empty file"
         except ImportError as e:
             need = "pyarrow" if how == "parquet" else "datasets"
             return (f"{path}: reading {how} needs the {need} package ({e.name} is not installed; "
@@ -98,11 +104,20 @@ def check(paths, field: str = "text") -> str | None:
 def records(path: Path, field: str, check_only: bool = False):
     """The documents of a record file or saved dataset, one string at a time."""
     how = kind(path)
-    if how == "jsonl":
+    if how == "jsonl":  # a bad record anywhere is one line, FILE:LINE: what is wrong
         with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    yield json.loads(line)[field]
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"{path}:{n}: not a JSON record ("
+                                     f"{e.msg.removesuffix(' at')}, column {e.colno})") from None
+                if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                    raise SystemExit(f"{path}:{n}: no text field {field!r} in this record "
+                                     "(--text-field)")
+                yield record[field]
     elif how == "parquet":
         import pyarrow.parquet as pq
         for batch in pq.ParquetFile(path).iter_batches(columns=[field], batch_size=1024):
@@ -291,6 +306,13 @@ def prepare(data_dir: str | os.PathLike, vocab_size: int, seq_len: int | None = 
         return folder
     tmp = folder.with_name(f"{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     tmp.mkdir(parents=True)
+    try:
+        return _build(folder, tmp, vocab_size, tokenizer, paths, field)
+    finally:  # a failure (bad data, a full disk, a signal) leaves no half-built folder
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build(folder: Path, tmp: Path, vocab_size: int, tokenizer, paths, field: str) -> Path:
     if tokenizer is None:
         tokenizer = hf_tokenizer(train_tokenizer(paths, vocab_size, field))
     tokenizer.save_pretrained(tmp / "tokenizer")
@@ -316,21 +338,19 @@ def prepare(data_dir: str | os.PathLike, vocab_size: int, seq_len: int | None = 
              "train_tokens": train["tokens"], "heldout_tokens": held["tokens"],
              "text": sorted(map(str, paths))[:20] if paths else "pydoc_data.topics"}
     (tmp / "index.json").write_text(json.dumps(index, indent=1))
-    try:
-        os.replace(tmp, folder)  # atomic; if another process won the race, keep its copy
-    except OSError:
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
+    with contextlib.suppress(OSError):  # atomic; if another process won the race, its copy
+        os.replace(tmp, folder)
     return folder
 
 
-def prepare_on_ranks(rank: int, data_dir, vocab_size: int, **kwargs) -> Path:
+def prepare_on_ranks(rank: int, data_dir, vocab_size: int, stopped=None, **kwargs) -> Path:
     """prepare() in a process group: global rank 0 builds (or finds) the cache, once per job;
     every other rank, on any node, waits for its index.json to appear (the data dir must be on
     a file system every node sees, as the checkpoints'), then all meet at a barrier. The others
     poll the file system instead of waiting in a collective, so tokenizing a large corpus takes
     as long as it takes: no collective timeout ends it. If rank 0 fails, its torchrun stops the
-    ranks of its node, and under train_llama.sbatch `srun --kill-on-bad-exit` the other nodes'.
+    ranks of its node (SIGTERM: a waiting rank whose `stopped()` then says so leaves at once),
+    and under train_llama.sbatch `srun --kill-on-bad-exit` the other nodes'.
     A collective: every rank calls it."""
     import torch.distributed as dist
     folder = cache_folder(data_dir, vocab_size, kwargs.get("tokenizer"), kwargs.get("paths"),
@@ -339,7 +359,10 @@ def prepare_on_ranks(rank: int, data_dir, vocab_size: int, **kwargs) -> Path:
         folder = prepare(data_dir, vocab_size, **kwargs)
     else:
         while not (folder / "index.json").exists():
-            time.sleep(1)
+            if stopped is not None and stopped():
+                raise SystemExit(f"rank {rank}: stopped by a signal while waiting for rank 0's "
+                                 f"token cache in {folder.parent}")
+            time.sleep(0.2)
     dist.barrier()
     return folder
 

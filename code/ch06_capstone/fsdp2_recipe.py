@@ -10,7 +10,8 @@ resume, the loop. With the same settings it computes the same losses as train_ll
 (tests/test_ch06_recipe.py checks it). DIR holds the tokens: train.bin (the ids, one flat
 array) and index.json ({"dtype": "uint16", "vocab_size": V, "eos_id": E}), as chapter 06's
 corpus.py writes them (or numpy's `ids.astype(np.uint16).tofile("train.bin")`). Left out: the
-held-out evaluation, metrics files, async saves, the export (see train_llama.py).
+held-out evaluation, metrics files, async saves, checksums of the checkpoint files, the
+export (see train_llama.py).
 """
 import argparse
 import functools
@@ -98,6 +99,14 @@ if device.type == "cuda":
     torch.cuda.set_device(device)
 dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
 rank, world = dist.get_rank(), dist.get_world_size()
+
+
+def dist_obj(obj):
+    """obj as rank 0 has it, on every rank (ranks that each list a folder may disagree)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
 bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
 accum = args.batch_size // (world * args.micro_batch)
 
@@ -167,19 +176,36 @@ def lr_at(step):
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * t))
 
 
-# ---- checkpoints: DCP, each rank its shards; a folder counts once its .metadata is written
+# ---- checkpoints: DCP, each rank its shards; a folder counts once its .metadata is written.
+# No checksums here (train_llama.py has them): a checkpoint that fails to load is reported
+# and the one before it tried; if some exist and none loads, the run stops, changing nothing.
 ckpts = Path(args.out) / "checkpoints"
 step = 0
-done = sorted(int(p.name[5:]) for p in ckpts.glob("step_*") if (p / ".metadata").exists())
-if args.resume and done:
+found = sorted(ckpts.glob("step_*"))  # (rank 0's listing decides; a shared file system)
+found = [ckpts / n for n in dist_obj([p.name for p in found] if rank == 0 else None)]
+failed = []
+for folder in sorted(found, key=lambda p: p.name, reverse=True) if args.resume else []:
+    if not dist_obj((folder / ".metadata").exists() if rank == 0 else None):
+        failed.append(f"{folder.name}: no .metadata (the save never finished)")
+        continue
     sd = {"step": torch.tensor(0)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     sd.update(model=model_sd, optim=optim_sd)
-    dcp.load(sd, checkpoint_id=ckpts / f"step_{done[-1]:06d}")
+    try:  # (DCP gathers every rank's errors: every rank gets the same outcome)
+        dcp.load(sd, checkpoint_id=folder)
+    except (Exception, dcp.api.CheckpointException) as e:
+        failed.append(f"{folder.name}: {str(e).strip().splitlines()[-1][:200]}")
+        continue
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     step = int(sd["step"])
     if rank == 0:
-        print(f"resumed from step {step}", flush=True)
+        print(*[f"checkpoint {f}; skipped" for f in failed], f"resumed from step {step}",
+              sep="\n", flush=True)
+    break
+else:
+    if failed:  # some exist, none loads: starting over would write over them
+        sys.exit(f"fsdp2_recipe.py: --resume: {len(failed)} checkpoint(s), none loads ("
+                 + "; ".join(failed) + "); nothing changed" if rank == 0 else 1)
 start = step
 
 

@@ -59,6 +59,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # corpus.py, next to this file
 import corpus  # noqa: E402
+import guard  # noqa: E402  (guard.py: the lock, the LR schedule, the loss-spike guard)
 from distkit import memory, print0, setup, speed, teardown  # noqa: E402
 from distkit.ckpt import AppState, CheckpointDir, Stager, own_files, step_of  # noqa: E402
 from distkit.comm import CollectiveLog  # noqa: E402
@@ -172,8 +173,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                             "step non-finite never reaches the newest checkpoint")
     group.add_argument("--keep", type=int, metavar="N", default=2,
                        help="checkpoints to keep (default %(default)s)")
+    group.add_argument("--spike-factor", type=float, metavar="K", default=3.0,
+                       help="a step whose loss is more than K x the mean of the last 20 "
+                            "steps' is a bad update showing: its checkpoint is not committed "
+                            "and the run stops (exit 3, failed.json); 0: off (default "
+                            "%(default)s)")
     group.add_argument("--resume", action="store_true",
-                       help="continue from the newest checkpoint in OUT/checkpoints (if any)")
+                       help="continue from the newest checkpoint in OUT/checkpoints (if there "
+                            "are none: from step 0; if none checks out: refused, nothing "
+                            "changed)")
+    group.add_argument("--resume-from", type=int, metavar="STEP",
+                       help="--resume from the committed checkpoint of STEP, not the newest "
+                            "(to get past a bad region; newer checkpoints go at the next save)")
+    group.add_argument("--change-schedule", action="store_true",
+                       help="with --resume: accept another --lr, --min-lr or --warmup than the "
+                            "checkpoint's run had (else refused); run.json records the change")
     group.add_argument("--overwrite", action="store_true",
                        help="start from step 0 although OUT holds a previous run: its "
                             "metrics, checkpoints and export are deleted (without --resume or "
@@ -235,6 +249,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.cpu_offload and not on_gpu():
         parser.error("--cpu-offload needs a GPU: FSDP2's CPUOffloadPolicy pins host memory for "
                      "copies to an accelerator")
+    args.resume = args.resume or args.resume_from is not None
+    if args.change_schedule and not args.resume:
+        parser.error("--change-schedule changes a resumed run's schedule: it needs --resume")
+    if args.spike_factor < 0 or 0 < args.spike_factor <= 1:
+        parser.error("--spike-factor must be 0 (off) or more than 1")
+    if problem := guard.unwritable(Path(args.out)):
+        parser.error(f"--out {args.out}: {problem}")
+    if foreign := guard.foreign(Path(args.out)):
+        parser.error(f"--out {args.out} holds files no run of train_llama.py writes "
+                     f"({', '.join(foreign[:5])}): choose an empty or new folder")
     if args.resume and args.overwrite:
         parser.error("--resume continues OUT's run, --overwrite deletes it: choose one")
     if not (args.resume or args.overwrite) and (previous := previous_run(Path(args.out))):
@@ -349,6 +373,8 @@ def build_optimizer(model, lr: float, betas, weight_decay: float, fused: bool):
 
 # ---- start: the signal handler first, so that a preemption during a long start-up is seen
 args = parse_args()
+# one run per folder: global rank 0 locks OUT before anything is written (released at exit)
+lock = guard.lock(Path(args.out)) if int(os.environ.get("RANK", 0)) == 0 else None
 # Preemption: Slurm sends SIGTERM at the time limit (earlier with sbatch --signal=TERM@SECONDS),
 # and torchrun passes SIGTERM on to its ranks (SIGUSR1 only with --signals-to-handle: else it
 # kills torchrun). The handler only raises a flag; the loop agrees on it across ranks, saves a
@@ -378,7 +404,8 @@ if args.model_path:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
 folder = corpus.prepare_on_ranks(env.rank, args.data_dir, args.vocab_size, tokenizer=tokenizer,
-                                 paths=args.data, field=args.text_field)
+                                 paths=args.data, field=args.text_field,
+                                 stopped=lambda: bool(stop_signal))
 # (sequences, seq_len) views of the token files, mapped: no rank reads more than it uses
 train_data, heldout = corpus.load(folder, args.seq_len)
 facts = corpus.facts(folder)
@@ -454,11 +481,8 @@ optimizer = build_optimizer(model, args.lr, args.betas, args.weight_decay,
 
 def lr_at(step: int) -> float:
     """Linear warm-up to --lr over --warmup steps, then cosine decay to --min-lr at the last
-    step (steps count from 0)."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, max_steps - 1 - args.warmup)
-    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(1., progress)))
+    step (steps count from 0; guard.py)."""
+    return guard.lr_at(step, args.lr, args.min_lr, args.warmup, max_steps)
 
 
 # ---- what a step costs, for MFU: 6 FLOPs per matmul weight and token (forward 2, backward 4)
@@ -513,15 +537,25 @@ class Progress:
                     "--max-steps": max_steps, "--lr": args.lr, "--min-lr": args.min_lr,
                     "--warmup": args.warmup, "--seed": args.seed,
                     "data": f"tokenizer {facts['tokenizer_sha256'][:12]}, "
-                            f"{facts['train_tokens']} training tokens"}
+                            f"{facts['train_tokens']} training tokens",
+                    "model": ", ".join(f"{k} {getattr(config, k, None)}" for k in (
+                        "hidden_size", "intermediate_size", "num_hidden_layers",
+                        "num_attention_heads", "num_key_value_heads", "vocab_size"))}
+        self.changed = {}  # --change-schedule: what the checkpoint's run had, where it differs
 
     def state_dict(self):
         return {"step": self.step, "tokens": self.tokens, "run": dict(self.run)}  # copies
 
     def load_state_dict(self, state):
-        if changed := [f"{k} {v} (now {self.run[k]})" for k, v in state["run"].items()
-                       if self.run.get(k) != v]:
-            raise SystemExit("train_llama.py: the checkpoint's run had " + ", ".join(changed))
+        changed = {k: v for k, v in state["run"].items() if self.run.get(k) != v}
+        if args.change_schedule:  # asked for: the schedule may change (recorded in run.json)
+            self.changed = {k: changed.pop(k) for k in ("--lr", "--min-lr", "--warmup")
+                            if k in changed}
+        if changed:
+            raise SystemExit("train_llama.py: the checkpoint's run had " + ", ".join(
+                f"{k} {v} (now {self.run[k]})" for k, v in changed.items())
+                + ("" if args.change_schedule else " (--change-schedule accepts another "
+                   "--lr, --min-lr, --warmup)"))
         self.step, self.tokens = state["step"], state["tokens"]
 
 
@@ -529,8 +563,17 @@ progress = Progress()
 state = {"app": AppState(model, optimizer), "progress": progress}
 ckpt = CheckpointDir(out / "checkpoints", keep=args.keep)  # on a signal, saved in any case
 metrics_path = out / "metrics.jsonl"
-if args.resume and (start := ckpt.latest()):
-    dcp.load(state, checkpoint_id=start)  # each rank reads the pieces of its own shards
+if args.resume_from is not None:  # an older checkpoint, asked for by its step
+    start = ckpt.path(args.resume_from)
+    if why := ckpt.problem(start):  # collective: the same verdict on every rank
+        raise SystemExit(f"train_llama.py: --resume-from {args.resume_from}: {start}: {why}")
+else:  # the newest that checks out; refused (nothing changed) if there are some but none does
+    start = ckpt.resume_point("train_llama.py") if args.resume else None
+if start:
+    # the run's settings and the model's shape first: another width fails here in one line
+    dcp.load({"progress": progress}, checkpoint_id=start,
+             planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    dcp.load({"app": state["app"]}, checkpoint_id=start)  # each rank: its own shards' pieces
     print0(f"resumed from {start.name}: step {progress.step} of {max_steps}")
     if env.rank == 0 and metrics_path.exists():  # forget what was logged after the checkpoint
         rows = [r for r in metrics_path.read_text().splitlines()
@@ -544,6 +587,7 @@ elif env.rank == 0:  # a fresh start (parse_args refused one over a previous run
 run_info = {"world_size": env.world_size, "device": env.device.type, "torch": torch.__version__,
             "micro_batches": accum, "sync_every_microbatch": args.sync_every_microbatch,
             "fsdp": fsdp, "ac": args.ac, "compile": args.compile, "clip": args.clip,
+            "spike_factor": args.spike_factor, "schedule_changes": [],
             "adamw": [{"params": len(g["params"]), "betas": list(g["betas"]),
                        "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]}
 
@@ -551,6 +595,16 @@ run_info = {"world_size": env.world_size, "device": env.device.type, "torch": to
 def write_run_info() -> None:
     if env.rank == 0:
         (out / "run.json").write_text(json.dumps(run_info, indent=1))
+
+
+if env.rank == 0 and start and (out / "run.json").exists():  # the run's changes so far, kept
+    run_info["schedule_changes"] = json.loads((out / "run.json").read_text()).get(
+        "schedule_changes", [])
+if progress.changed:  # --change-schedule: from which step, what it was, what it is now
+    run_info["schedule_changes"].append({"step": progress.step, "was": progress.changed,
+                                         "now": {k: progress.run[k] for k in progress.changed}})
+    print0(f"--change-schedule at step {progress.step}: " + ", ".join(
+        f"{k} {v} -> {progress.run[k]}" for k, v in progress.changed.items()))
 
 
 write_run_info()
@@ -575,45 +629,69 @@ if env.rank == 0:
 ckpt_group = dist.new_group(backend="gloo") if args.async_save else None
 stager = Stager(env.device) if args.async_save and TORCH >= (2, 13) else None
 hasher = ThreadPoolExecutor(max_workers=1)  # reads back and hashes the files a save wrote
-pending = None  # the save not yet committed: {"step", "staged", "written", "checked"}
+pending = None  # the save not yet committed: {"step", "staged", "written", "checked", "bad"}
+spikes = guard.SpikeGuard(args.spike_factor)  # a finite loss far above the recent ones
 
 
 def save() -> None:
     global pending
     commit_pending()  # one save at a time (a pending save is checked by now: see the loop)
     folder = ckpt.begin(progress.step)
+    # is every value this rank saves finite (weights, AdamW's moments)? Shared at the next
+    # step's all-reduce: a NaN in the optimizer's state shows in no loss until it is used
+    bad = guard.nonfinite(model, optimizer, env.device)
     staged = upload = None
-    if args.async_save:  # returns once the host copy is under way
-        response = dcp.async_save(state, checkpoint_id=folder, process_group=ckpt_group,
-                                  async_stager=stager)
-        staged, upload = ((response.staging_completion, response.upload_completion) if stager
-                          else (None, response))
-    else:
-        dcp.save(state, checkpoint_id=folder)  # every rank writes its own shards, in parallel
+    try:
+        if args.async_save:  # returns once the host copy is under way
+            response = dcp.async_save(state, checkpoint_id=folder, process_group=ckpt_group,
+                                      async_stager=stager)
+            staged, upload = ((response.staging_completion, response.upload_completion)
+                              if stager else (None, response))
+        else:
+            dcp.save(state, checkpoint_id=folder)  # every rank writes its shards, in parallel
+    except (Exception, dcp.api.CheckpointException) as e:
+        save_failed(folder, e)
 
     def written():  # in the hasher's thread: the upload's end, then this rank's files hashed
         if upload is not None:
             upload.result()
         return own_files(folder)
     pending = {"step": progress.step, "staged": staged, "written": hasher.submit(written),
-               "checked": False}
+               "checked": False, "bad": bad}
+
+
+def save_failed(folder: Path, e: BaseException) -> None:
+    """A full disk is one line (and failed.json: a requeue would fail the same way)."""
+    if not (why := guard.save_failure(folder, e)):
+        raise e
+    if env.rank == 0:
+        with contextlib.suppress(OSError):
+            (out / "failed.json").write_text(json.dumps({"reason": "no-space", "step":
+                                                         progress.step, "retry": False}))
+    raise SystemExit(f"train_llama.py: {why}") from None
 
 
 def commit_pending() -> None:
     """Commit the pending save (waiting for its files if needed; a collective)."""
     global pending
     if pending:
-        pending["written"].result()  # (own_files() hashed them: commit() hashes nothing more)
+        try:
+            pending["written"].result()  # (own_files() hashed them: commit() hashes no more)
+        except (Exception, dcp.api.CheckpointException) as e:  # the upload failed
+            save_failed(ckpt.path(pending["step"]).with_suffix(".tmp"), e)
         ckpt.commit(pending["step"], world_size=env.world_size)
         pending = None
 
 
-def fail_nonfinite(loss: float, gnorm: float, step: int) -> None:
+def fail_nonfinite(loss: float, gnorm: float, step: int, why: str = "",
+                   reason: str = "non-finite") -> None:
     """Every rank: the pending save holds the update that led here, so it goes; the newest
     committed checkpoint was followed by a finite step. Each rank exits with status 3 (torchrun
     then reports 1, whatever the ranks' codes): OUT/failed.json tells a batch script why."""
     global pending
     discarded = ""
+    if pending and pending["checked"]:  # (an evaluation after a checked save: that save is good)
+        commit_pending()
     if pending:
         with contextlib.suppress(Exception):
             pending["written"].result()  # its writes must end before its folder goes
@@ -624,11 +702,12 @@ def fail_nonfinite(loss: float, gnorm: float, step: int) -> None:
                      "led here); ")
         pending = None
     newest = (ckpt.committed() or [None])[-1]  # (rank 0's listing is the one printed)
-    why = (f"non-finite loss {loss} or gradient norm {gnorm} at step {step}: stopped before the "
-           f"optimizer step; {discarded}newest checkpoint: {newest.name if newest else 'none'}")
+    why = ((why or f"non-finite loss {loss} or gradient norm {gnorm}") + f" at step {step}: "
+           f"stopped before the optimizer step; {discarded}newest checkpoint: "
+           f"{newest.name if newest else 'none'}")
     if env.rank == 0:
         (out / "failed.json").write_text(json.dumps(
-            {"reason": "non-finite", "step": step, "retry": False,
+            {"reason": reason, "step": step, "retry": False,
              "newest_checkpoint": newest.name if newest else None}))
     print0(f"train_llama.py: {why}; each rank exits with status 3", file=sys.stderr)
     if log:
@@ -703,6 +782,9 @@ def log_row(loss: float, lr: float, gnorm: float, last: bool) -> None:
     row["mem_mib"] = [round(m, 1) for m in per_rank.tolist()]
     if progress.step % args.eval_every == 0 or last:
         row["eval_loss"] = evaluate()
+        if not row["eval_loss"] < 700:  # NaN, inf, or past what exp() can hold: a bad update
+            fail_nonfinite(loss, gnorm, progress.step + 1,
+                           f"held-out loss {row['eval_loss']:.4g} after step {progress.step}")
         row["eval_ppl"] = math.exp(row["eval_loss"])
         say(f"step {progress.step}: eval loss {row['eval_loss']:.3f} (perplexity "
             f"{row['eval_ppl']:.1f}; unigram baseline {facts['unigram_loss']:.3f})")
@@ -741,19 +823,37 @@ def forward_backward(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return loss_sum, grad_norm
 
 
-def agree(loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float, bool, bool]:
+def agree(loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float, bool, bool,
+                                                                     bool]:
     """One small all-reduce and one host sync per step, for what every rank must agree on: the
     mean loss, the gradient norm (the same on every rank; summed, then divided), "stop?" (a
-    signal on any rank) and "is every rank's pending save written?". Returns those four."""
+    signal on any rank), "is every rank's pending save written?" and "does any rank's pending
+    save hold a non-finite value?". Returns those five."""
     stop_flag = float(bool(stop_signal))
     unwritten = float(pending is not None and not pending["written"].done())
+    bad = pending["bad"] if pending else torch.zeros((), device=env.device)
     # (with --cpu-offload the gradients, so their norm, live on the CPU: brought to the GPU)
     shared = torch.stack([loss_sum, grad_norm.float().to(env.device),
                           torch.tensor(stop_flag, device=env.device),
-                          torch.tensor(unwritten, device=env.device)])
+                          torch.tensor(unwritten, device=env.device), bad.to(env.device)])
     dist.all_reduce(shared)
-    loss, gnorm, stop, unwritten = shared.tolist()
-    return loss / env.world_size, gnorm / env.world_size, stop > 0, unwritten == 0
+    loss, gnorm, stop, unwritten, bad = shared.tolist()
+    return loss / env.world_size, gnorm / env.world_size, stop > 0, unwritten == 0, bad > 0
+
+
+def check_step(loss: float, gnorm: float, bad_state: bool) -> None:
+    """Stop (exit 3) before the optimizer step if this step shows a bad update: a non-finite
+    loss or norm, a non-finite value in the pending save, or a loss spike."""
+    if bad_state:
+        fail_nonfinite(loss, gnorm, progress.step + 1, f"a non-finite value in step "
+                       f"{pending['step']}'s weights or optimizer state (checked before its "
+                       "commit)")
+    if not (math.isfinite(loss) and math.isfinite(gnorm)):
+        # Before optimizer.step: a NaN gradient would make every weight NaN. A NaN here can
+        # also be the previous step's update showing: the pending save holds it.
+        fail_nonfinite(loss, gnorm, progress.step + 1)
+    if spike := spikes.check(loss):  # a finite loss far above the recent ones: the same
+        fail_nonfinite(loss, gnorm, progress.step + 1, spike, reason="loss-spike")
 
 
 def profiler():
@@ -780,11 +880,8 @@ while progress.step < max_steps:
     with (CollectiveLog() if counting else contextlib.nullcontext()) as comm, \
             (profiler() if profiling else contextlib.nullcontext()) as prof:
         loss_sum, grad_norm = forward_backward(progress.step)
-        loss, gnorm, stop, written = agree(loss_sum, grad_norm)
-    if not (math.isfinite(loss) and math.isfinite(gnorm)):
-        # Before optimizer.step: a NaN gradient would make every weight NaN. A NaN here can
-        # also be the previous step's update showing: the pending save holds it.
-        fail_nonfinite(loss, gnorm, progress.step + 1)
+        loss, gnorm, stop, written, bad_state = agree(loss_sum, grad_norm)
+    check_step(loss, gnorm, bad_state)  # a bad update showing: stop, exit 3, no commit
     if pending:  # a finite step after it: its update was fine; committed once written
         pending["checked"] = True
         if written:
@@ -824,9 +921,7 @@ if pending and not pending["checked"]:
     # The last save's update has not been followed by a step: check it as the loop checks
     # every other, with one more forward and backward (no optimizer step).
     loss_sum, grad_norm = forward_backward(progress.step)
-    loss, gnorm, _, _ = agree(loss_sum, grad_norm)
-    if not (math.isfinite(loss) and math.isfinite(gnorm)):
-        fail_nonfinite(loss, gnorm, progress.step + 1)
+    check_step(*(agree(loss_sum, grad_norm)[i] for i in (0, 1, 4)))
     optimizer.zero_grad(set_to_none=True)
 commit_pending()  # the job is about to end: the checkpoint must be complete
 if stager:
