@@ -361,3 +361,116 @@ def test_llama_training_bytes_golden(model, settings, moment, want):
     got = llama_training_bytes(LLAMA_CONFIGS[model], **settings)
     assert got.pop("moment") == moment
     assert got == want
+
+
+# --- one memory model, one GPU table, one "fits" rule across the chapters (issue 43) -------------
+
+def _stored(notebook: str, marker: str) -> tuple:
+    """(source, stdout) of the first code cell of notebooks/NOTEBOOK whose stored output holds
+    `marker`."""
+    import nbformat
+    from pathlib import Path
+    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / notebook, 4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            out = "".join(o.get("text", "") for o in cell.outputs
+                          if o.get("output_type") == "stream")
+            if marker in out:
+                return cell.source, out
+    raise AssertionError(f"{notebook}: no stored output holds {marker!r}")
+
+
+def _ch03():
+    from distkit.memory import GiB, LLAMA_CONFIGS, TORCH_AMP
+    import re
+    _, out = _stored("03_zero_memory_math.ipynb", "peak moment")
+    seq = int(re.search(r"sequence (\d+)", out).group(1))
+    batch = int(re.search(r"micro-batch (\d+)", out).group(1))
+    rows = re.findall(r"^(\w+)\s+(\d+)(?:x(\d+))?\s+(none|selective|full)\s+[\d.]+\s+[\d.]+\s+"
+                      r"[\d.]+\s+[\d.]+\s+([\d.]+)\s+(True|False)", out, re.M)
+    assert len(rows) >= 4
+    for name, ranks, tp, ac, total, verdict in rows:
+        b = llama_training_bytes(LLAMA_CONFIGS[name], ranks=int(ranks), seq=seq, batch=batch,
+                                 precision="bf16", attn="sdpa", ac=ac, recipe=TORCH_AMP,
+                                 tensor_parallel=int(tp or 1))["Total"]
+        yield f"{name} {ranks}x{tp or 1} {ac}", (total, verdict), (f"{b / GiB:.1f}", b)
+
+
+def _ch06():
+    import ast
+    import re
+    from pathlib import Path
+
+    from distkit.memory import GiB
+    from distkit.plan import layout_peak_bytes
+    from distkit.speed import Layout
+    script = Path(__file__).resolve().parents[1] / "code/ch06_capstone/train_llama.py"
+    presets = next(ast.literal_eval(n.value) for n in ast.parse(script.read_text()).body
+                   if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PRESETS")
+    _, out = _stored("06_capstone_llama_fsdp2.ipynb", "PREDICTED")
+    rows = re.findall(r"^(llama-\w+)\s+(\d+)\s+(\d+) \|\s+([\d.]+)\s+[\d.]+\s+(True|False) \|"
+                      r"\s+([\d.]+)\s+[\d.]+\s+(True|False)", out, re.M)
+    assert len(rows) == 3, out
+    for preset, gpus, seq, synced, v1, kept, v2 in rows:
+        config = {**presets[preset], "vocab_size": 128256}
+        lay = Layout(gpus=int(gpus), seq=int(seq), batch=2, accumulation=2, ac="full")
+        for sync, total, verdict in ((True, synced, v1), (False, kept, v2)):
+            b = layout_peak_bytes(config, Layout(**{**lay.__dict__, "sync_every_microbatch": sync}))
+            yield f"{preset} {gpus} {seq} sync {sync}", (total, verdict), (f"{b / GiB:.1f}", b)
+
+
+def _ch08():
+    import re
+
+    from distkit.memory import GiB
+    from distkit.plan import GPU_NAMES, LINKS, fitted, layout_peak_bytes, load_config, search
+    from distkit.speed import GPUS
+    _, out = _stored("08_plan_a_run.ipynb", "code/ch08_plan/plan.py --model")
+    argv = re.search(r"plan\.py (.*)", out).group(1).split()
+    opt = dict(zip(argv[::2], argv[1::2]))
+    gpu = GPUS[GPU_NAMES[opt["--gpu"]]]
+    found = search(load_config(opt["--model"]), gpus=int(opt["--gpus"]), seq=int(opt["--seq"]),
+                   gpu=gpu, link=LINKS["IB NDR / RoCE 400G"], eff=fitted()[1],
+                   global_tokens=int(opt["--global-tokens"]))
+    rows = re.findall(r"^#(\d+) \w+, \d+ GPUs: (.*)\n  memory: ([\d.]+) GiB allocated, [\d.]+ GiB "
+                      r"reserved-equivalent of [\d.]+: fits (True|False)", out, re.M)
+    assert len(rows) >= 2, out
+    for i, described, total, verdict in rows:
+        x = found[int(i) - 1]
+        assert x["layout"].describe() == described
+        b = layout_peak_bytes(load_config(opt["--model"]), x["layout"])
+        yield f"plan #{i}", (total, verdict), (f"{b / GiB:.1f}", b)
+
+
+def _ch09():
+    import re
+
+    from distkit.cpep import cp_memory
+    from distkit.memory import GiB, LLAMA_CONFIGS
+    _, out = _stored("09_context_and_expert_parallelism.ipynb", "peak GiB per GPU (fits")
+    cps = [int(c) for c in re.findall(r"cp = (\d+)", out.splitlines()[1])]
+    for line in out.splitlines()[2:]:
+        m = re.match(r"\s*([\d,]+)\s+(.*)", line)
+        cells = re.findall(r"([\d.]+) \((yes|no)\)", m.group(2)) if m else []
+        if not cells:
+            break
+        seq = int(m.group(1).replace(",", ""))
+        for cp, (total, verdict) in zip(cps, cells):
+            b = cp_memory(LLAMA_CONFIGS["8b"], gpus=8, cp=cp, seq=seq)["Total"]
+            yield f"{seq} cp {cp}", (total, str(verdict == "yes")), (f"{b / GiB:.1f}", b)
+
+
+@pytest.mark.parametrize("chapter", ["03", "06", "08", "09"])
+def test_every_chapters_stored_memory_table_agrees(chapter):
+    """Each chapter's stored memory table, recomputed through distkit (the Llama-exact model)
+    and judged by the one rule (distkit.plan.fits on distkit.speed.GPUS' H100, 79.6 GiB): a
+    chapter with its own formula, capacity or rule fails here."""
+    from distkit.plan import fits
+    from distkit.speed import GPUS
+    capacity = GPUS["H100 SXM"].memory_gib
+    rows = list({"03": _ch03, "06": _ch06, "08": _ch08, "09": _ch09}[chapter]())
+    assert rows
+    wrong = [f"{what}: stored {total} GiB fits {verdict}, distkit {gib} GiB fits "
+             f"{fits(b, capacity)}" for what, (total, verdict), (gib, b) in rows
+             if total != gib or verdict != str(fits(b, capacity))]
+    assert not wrong, f"chapter {chapter} disagrees: " + "; ".join(wrong)
