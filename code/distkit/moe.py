@@ -168,7 +168,9 @@ def load_balancing_loss(logits, top_k: int):
     """Switch Transformer's auxiliary loss (eq. 4-6) as transformers computes it
     (load_balancing_loss_func in modeling_mixtral.py): E x sum over experts of (the fraction of
     the tokens that picked it: these sum to top_k) x (its mean router probability). A uniform
-    router that spreads the picks evenly gives top_k; concentrating on few experts raises it."""
+    router that spreads the picks evenly gives top_k; concentrating on few experts raises it.
+    Megatron-LM's switch_load_balancing_loss_func divides by top_k (even picks give 1): a
+    coefficient ported from Megatron to transformers is multiplied by top_k."""
     probs = torch.softmax(logits.float(), dim=-1)
     _, picked = torch.topk(probs, top_k, dim=-1)
     num_experts = logits.shape[-1]
