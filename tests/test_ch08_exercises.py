@@ -1,6 +1,6 @@
-"""Chapter 08's exercise through its checker: the solution passes, and three plausible wrong
-answers fail with a line that names the mistake (four launches of one process at once, ~3 CPU-s
-each: the exercise imports no torch)."""
+"""Chapter 08's exercise through its checker: the solution passes, and four plausible wrong
+answers fail with a line that names the mistake (five launches of one process at once, ~3 CPU-s
+each: the exercise imports no torch; the checker's one --sweep launch answers 18 cases)."""
 import pytest
 
 exercise = pytest.importorskip("distkit.course.exercise")  # the checker (make exercise)
@@ -16,6 +16,15 @@ WRONG = {
     # GPU counts one by one instead of whole nodes
     "single GPUs": (("for gpus in range(per_node, max_gpus + 1, per_node):",
                      "for gpus in range(1, max_gpus + 1):"), "not a whole number of 8-GPU nodes"),
+    # the search's inner loops swapped (checkpointing outside tp): the three headline cases
+    # agree either way (13 PASS before the sweep: instructor's F6); 5 of the 18 do not
+    "loops swapped": ([("for tp in TP_DEGREES:", "for ac in CHECKPOINTING:  # outside tp"),
+                       ("for ac in CHECKPOINTING:", "for tp in TP_DEGREES:"),
+                       ("if gpus % tp:", "if False:"),
+                       ("if fits(peak_bytes(config, gpus=gpus, seq=seq, tp=tp, ac=ac), gpu_gib):",
+                        "if gpus % tp == 0 and fits(peak_bytes(config, gpus=gpus, seq=seq, "
+                        "tp=tp, ac=ac), gpu_gib):")],
+                      "both fit; prefer less tensor parallelism, then less recomputation"),
 }
 
 
@@ -27,6 +36,12 @@ def test_fewest_gpus_solution_passes_and_wrong_answers_fail(tmp_path):
     assert ok, lines
     assert any("70b at 8192 on 79.6 GiB GPUs: 24 GPUs, tp 1, full fits" in ln for ln in lines)
     assert any("70b at 8192 on 140.4 GiB GPUs: 16 GPUs, tp 1, full fits" in ln for ln in lines)
+    assert lines[-1].startswith("PASS [1 rank] every answer of the sweep (18 cases) = ")
     for name, (_, message) in WRONG.items():
         ok, lines, _ = runs[name]
         assert not ok and message in lines[-1], (name, lines)
+    assert runs["loops swapped"][1][-1] == (
+        "FAIL [1 rank] 1b at 32768 on 79.6 GiB GPUs: your answer [8, 8, 'selective'], expected "
+        "[8, 1, 'full']: on 8 GPUs both fit; prefer less tensor parallelism, then less "
+        "recomputation (none, selective, full): is the loop over tp outside the one over "
+        "checkpointing? (5 of 18 cases differ)")

@@ -58,24 +58,34 @@ parser.add_argument("--seq", type=int, default=8192, help="tokens per sequence (
 parser.add_argument("--gpu-gib", type=float, default=79.6,
                     help="the GPU's memory as nvidia-smi reports it, in GiB (default: an 80 GB "
                     "H100's 81,559 MiB)")
-parser.add_argument("--json", help="write the answer here")
+parser.add_argument("--sweep", action="store_true",
+                    help="answer every model at 2,048, 8,192 and 32,768 tokens on 80 GB H100s "
+                    "and 141 GB H200s instead (the table the checker compares)")
+parser.add_argument("--json", help="write the answer(s) here")
 args = parser.parse_args()
 if args.seq < 2 or args.gpu_gib <= 0:
     parser.error("need --seq >= 2 and --gpu-gib > 0")
-config = LLAMA_CONFIGS[args.model]
-answer = fewest_gpus(config, args.seq, args.gpu_gib)
-if answer is None:
-    print(f"{args.model} at {args.seq} tokens fits no setting up to 4096 GPUs")
-else:
+# GPU memory as nvidia-smi reports it: an 80 GB H100 (81,559 MiB), a 141 GB H200 (143,771 MiB)
+cases = [(model, seq, gib) for model in sorted(LLAMA_CONFIGS) for seq in (2048, 8192, 32768)
+         for gib in (81559 / 1024, 143771 / 1024)] if args.sweep else \
+    [(args.model, args.seq, args.gpu_gib)]
+answers = []
+for model, seq, gib in cases:
+    config = LLAMA_CONFIGS[model]
+    answer = fewest_gpus(config, seq, gib)
+    answers.append([model, seq, gib, answer])
+    if answer is None:
+        print(f"{model} at {seq} tokens fits no setting up to 4096 GPUs of {gib:.1f} GiB")
+        continue
     gpus, tp, ac = answer
-    peak = peak_bytes(config, gpus=gpus, seq=args.seq, tp=tp, ac=ac)
-    print(f"{args.model} at {args.seq} tokens: {gpus} GPUs, tensor parallel {tp}, "
+    peak = peak_bytes(config, gpus=gpus, seq=seq, tp=tp, ac=ac)
+    print(f"{model} at {seq} tokens: {gpus} GPUs, tensor parallel {tp}, "
           f"checkpointing {ac}: {peak / GiB:.1f} GiB allocated, "
-          f"{reserved_bytes(peak) / GiB:.1f} reserved-equivalent of {args.gpu_gib:.1f} per GPU")
+          f"{reserved_bytes(peak) / GiB:.1f} reserved-equivalent of {gib:.1f} per GPU")
 if args.json:
     with open(args.json, "w") as f:
         json.dump({"model": args.model, "seq": args.seq, "gpu_gib": args.gpu_gib,
-                   "answer": answer}, f)
+                   "answer": answers[0][3], "answers": answers}, f)
 ### BEGIN SOLUTION
 # Answers: 1. 24 GPUs, tp 1, full checkpointing: 60.6 GiB allocated, 78.7 reserved-equivalent
 # of 79.6 (notebook 08, question 1; 16 GPUs would allocate 82.1). 2. 16 H200s, still with full
