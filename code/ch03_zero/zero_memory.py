@@ -78,22 +78,31 @@ def wrap(strategy: str, model):
     return model, torch.optim.AdamW(model.parameters(), **adamw)
 
 
+def tracked_step(model, optimizer, fsdp: bool):
+    """One training step inside torch's memory tracker: the bytes by category at the end of the
+    forward, after the optimizer step (at rest), and at the step's peak."""
+    if fsdp:  # FSDP2's own tracker: sharded and unsharded parameters, its buffers
+        tracker = FSDPMemTracker(model, optimizer)
+    else:  # the general one, told which tensors are the model's and the optimizer's
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+    with tracker:  # every tensor allocated in the block is filed under a category
+        loss = model(input_ids=mine, labels=mine).loss
+        end_of_forward = by_category(tracker.get_tracker_snapshot("current"), env.device)
+        loss.backward()
+        optimizer.step()
+        at_rest = by_category(tracker.get_tracker_snapshot("current"), env.device)
+    peak = by_category(tracker.get_tracker_snapshot("peak"), env.device)
+    return loss, end_of_forward, at_rest, peak
+
+
 def run(strategy: str) -> dict:
     model, optimizer = wrap(strategy, build())
     fsdp = strategy.startswith("fsdp2")
-    tracker = FSDPMemTracker(model, optimizer) if fsdp else MemTracker()
-    if not fsdp:
-        tracker.track_external(model, optimizer)
     losses = []
     for step in range(args.steps):
-        if step == 0:  # the first step, inside the tracker: the optimizer creates its state
-            with tracker:
-                loss = model(input_ids=mine, labels=mine).loss
-                end_of_forward = by_category(tracker.get_tracker_snapshot("current"), env.device)
-                loss.backward()
-                optimizer.step()
-                at_rest = by_category(tracker.get_tracker_snapshot("current"), env.device)
-            peak = by_category(tracker.get_tracker_snapshot("peak"), env.device)
+        if step == 0:  # the first step, tracked: the optimizer creates its state in it
+            loss, end_of_forward, at_rest, peak = tracked_step(model, optimizer, fsdp)
             # (DDP's gradients; FSDP2's DTensor gradients the tracker sees itself)
             grads_held = 0 if fsdp else storage_bytes(p.grad for p in model.parameters())
         else:
