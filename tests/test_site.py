@@ -3,10 +3,13 @@
 One build (in a temporary folder) serves every check: its time, every internal link and picture,
 every formula converted to MathML and none garbled, each output one block, the home page a
 learner's start page read from the notebooks (never the README), each chapter page's header,
-pager and exercises, the licence footer, nothing fetched from the network. Then headless Chromium
-(tests/chromium.py; skipped where it is missing) opens the home page and chapters 03 and 06,
-checks that the math is typeset and not cut off and the pictures loaded, and screenshots chapter
-03's per-rank bytes formula and chapter 06's `--help` output into build/site-screenshots/.
+pager and exercises, the licence footer, nothing fetched from the network, tables' rows kept
+whole, the glossary's chapters linked. Then headless Chromium (tests/chromium.py; skipped where it
+is missing) opens the home page and chapters 03 and 06, checks that the math is typeset and not
+cut off and the pictures loaded, and screenshots chapter 03's per-rank bytes formula and chapter
+06's `--help` output into build/site-screenshots/; and checks the pages at a phone's 400 px (no
+sideways scrolling), chapter 10's schedule table (rows whole) and printing (nothing cut).
+Without a build: where the home page finds the address to clone from.
 """
 import html
 import os
@@ -219,6 +222,69 @@ def test_home_page_is_a_learners_start_page_from_the_notebooks(built):
         assert noise not in text, f"the home page mentions {noise!r}"
 
 
+def test_tables_keep_their_rows_and_the_glossary_links_its_chapters(built):
+    """A table's rows (aligned columns) each in one <span class="row">, kept whole by site.css
+    (chapter 10's schedule table wrapped every row in two); a traceback or a sentence is no
+    table and wraps. The glossary's "Chapter 03." links to chapter 03's page."""
+    out, _, _ = built
+    ch10 = (out / "notebooks" / "10_float8_schedules_3d.html").read_text(encoding="utf-8")
+    rows = re.findall(r'<span class="row">(ZBVZeroBubble .*?)</span>', ch10)
+    assert any("peak micro-batches in flight per rank [" in r for r in rows), rows
+    ch07 = (out / "notebooks" / "07_when_things_go_wrong.html").read_text(encoding="utf-8")
+    assert "File &quot;" in ch07 or 'File "' in ch07  # tracebacks are there, and none is a row:
+    assert not re.search(r'<span class="row">[^<]*(File &quot;|File "|Traceback)', ch07)
+    assert site.table_rows(["a   b   c", "dd  e   f", "g   h   i", "a sentence."]) == {0, 1, 2}
+    assert site.table_rows(['[rank0]:   File "x.py", line 1'] * 5) == set()  # one gap: no table
+    css = (out / "site.css").read_text()
+    assert re.search(r"\.output_area pre \.row \{ white-space: pre; \}", css)
+    glossary = (out / "docs" / "glossary.html").read_text(encoding="utf-8")
+    linked = re.findall(r'<a href="\.\./notebooks/(\d\d)_[^"]+\.html">(?:[Cc]hapters? )?\d\d</a>',
+                        glossary)
+    plain = re.findall(r"[Cc]hapters? \d\d", re.sub(r"<a [^>]*>.*?</a>|<code>.*?</code>", "",
+                                                    glossary, flags=re.S))
+    assert len(linked) > 50 and not plain, plain
+    assert '<code>chapter 03</code>' in site.link_chapters(
+        "<code>chapter 03</code>", lambda n: "x")  # never inside code
+
+
+def test_the_address_to_clone_from(tmp_path):
+    """CITATION.cff's repository-code, else the GitHub Actions run that builds the published site,
+    else the clone's origin; as an https address without credentials; "" when none says."""
+    assert site.public_url("git@github.com:me/course.git") == "https://github.com/me/course"
+    assert site.public_url("https://me:token@github.com/me/course.git/") == \
+        "https://github.com/me/course"  # a credential in a remote never reaches a page
+    assert site.public_url("/srv/git/course") == "" and site.public_url("") == ""
+    cff = tmp_path / "CITATION.cff"
+    cff.write_text('cff-version: 1.2.0\n# repository-code: "https://github.com/OWNER/REPO"\n')
+    assert site.repository_url(tmp_path, {}) == ""  # a comment is no address, and no git here
+    actions = {"GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": "me/course"}
+    assert site.repository_url(tmp_path, actions) == "https://github.com/me/course"
+    git = ["git", "-C", str(tmp_path)]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["remote", "add", "origin", "git@example.org:me/course.git"], check=True)
+    assert site.repository_url(tmp_path, {}) == "https://example.org/me/course"
+    cff.write_text('cff-version: 1.2.0\nrepository-code: "https://github.com/us/course"\n')
+    assert site.repository_url(tmp_path, actions) == "https://github.com/us/course"  # it wins
+
+
+def test_home_page_shows_the_clone_command_when_the_address_is_known(tmp_path, monkeypatch):
+    (tmp_path / "notebooks").mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(FIRST_CELL)])
+    nbformat.write(nb, tmp_path / "notebooks" / "42_full.ipynb")
+    (tmp_path / "CITATION.cff").write_text('repository-code: "https://github.com/us/course"\n')
+    site.build(tmp_path / "site", root=tmp_path)
+    home = (tmp_path / "site" / "index.html").read_text()
+    assert "<code>git clone https://github.com/us/course\ncd course\nmake check" in home
+    chapter = (tmp_path / "site" / "notebooks" / "42_full.html").read_text()
+    assert 'repository: <a href="https://github.com/us/course">' in chapter.split("<footer>")[1]
+    (tmp_path / "CITATION.cff").unlink()  # no address anywhere: the sentence without it
+    for name in ("GITHUB_REPOSITORY", "GITHUB_SERVER_URL"):
+        monkeypatch.delenv(name, raising=False)
+    site.build(tmp_path / "site", root=tmp_path)
+    home = (tmp_path / "site" / "index.html").read_text()
+    assert "git clone" not in home and "in a clone of the course's repository" in home
+
+
 FIRST_CELL = """# 42 · A chapter in full
 
 **In one line:** shard `everything` and prove it.
@@ -256,7 +322,8 @@ def test_a_site_from_notebooks_alone_without_the_readme(tmp_path):
     bare = (out / "notebooks" / "43_bare.html").read_text()
     head, body = bare.split("</section>", 1)
     assert "<h1>43 · Only a title</h1>" in head and "promise" not in head and "<li>" not in head
-    assert "Intro." in body and "about 5 minutes" in head
+    minutes = chapter_meta.read(tmp_path / "notebooks" / "43_bare.ipynb").minutes
+    assert "Intro." in body and f"about {minutes} minutes" in head
     home = (out / "index.html").read_text()
     assert "42_full.html" in home and "43_bare.html" in home
 
@@ -303,7 +370,8 @@ def test_exercise_files_are_pages_with_highlighted_code(built):
 
 # Every page's checks, in the page: math typeset (a MathML element with a height), none with an
 # alignment & as a symbol or a backslash in its text, none wider than its column (cut off, or a
-# scroll bar); no output line cut at its column (they wrap, as in JupyterLab); pictures loaded.
+# scroll bar); no output line cut at its column (they wrap, as in JupyterLab; only a table's rows
+# are kept whole, and scroll); pictures loaded.
 PAGE_CHECKS = r"""(() => {
   const maths = [...document.querySelectorAll("math")];
   const prose = document.body.cloneNode(true);
@@ -320,7 +388,9 @@ PAGE_CHECKS = r"""(() => {
                                && m.scrollWidth > m.clientWidth + 1)
                   .map(m => m.textContent.slice(0, 60)),
     outputs_cut: [...document.querySelectorAll(".output_area pre")]
-                 .filter(p => p.scrollWidth > p.clientWidth + 1)
+                 .filter(p => p.scrollWidth > p.clientWidth + 1
+                              && ![...p.querySelectorAll(".row")]  // a table's row scrolls
+                                  .some(r => r.getBoundingClientRect().width > p.clientWidth))
                  .map(p => p.textContent.slice(0, 60)),
     raw_dollars: prose.textContent.includes("$$"),
     images: document.images.length,
@@ -397,6 +467,60 @@ def test_browser_shows_typeset_math_one_block_outputs_and_every_picture(built, t
     assert blocks == 1, f"chapter 06's --help output shows as {blocks} blocks"
     assert "\nusage: train_llama.py" in text and text.count("\n") > 20, text[:200]
     assert size > 10_000, "no screenshot of chapter 06's --help output"
+
+
+# What a phone, a wide table and a printer see: the page's width, each table row's lines (one
+# client rectangle: not wrapped), and whether any block hides part of its text behind a scroll bar.
+PAGE_WIDTH = "document.documentElement.scrollWidth"
+ROW_LINES = """(() => {
+  const table = [...document.querySelectorAll(".output_area pre")].find(p =>
+    p.textContent.includes("in flight per rank") && p.textContent.includes("ZBVZeroBubble"));
+  return table ? [...table.querySelectorAll(".row")].map(r => r.getClientRects().length) : null;
+})()"""
+HIDDEN = """[...document.querySelectorAll("pre")].filter(p => p.scrollHeight > p.clientHeight + 1
+              || p.scrollWidth > p.clientWidth + 1).map(p => p.textContent.slice(0, 60))"""
+
+
+@needs_browser
+def test_browser_phone_width_table_rows_and_print(built, tmp_path):
+    out, _, _ = built
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with open(tmp_path / "chromium.log", "w") as log:
+        chromium = Chromium(tmp_path / "profile", log, size=(1280, 1000))
+    try:
+        seen = {}
+        for name in ["notebooks/03_zero_memory_math.html", "notebooks/06_capstone_llama_fsdp2.html",
+                     "notebooks/10_float8_schedules_3d.html"]:
+            url = (out / name).as_uri()
+            session = chromium.open(url)
+            chromium.wait_for(session, f'location.href === "{url}" && document.readyState === '
+                                       '"complete"', 60, f"{name} loading")
+            if "10_" in name:  # the schedule table, on a laptop's screen
+                seen["rows"] = chromium.evaluate(session, ROW_LINES)
+                rect = chromium.evaluate(session, RECT.format(
+                    '[...document.querySelectorAll(".output_area pre")].find(p => p.textContent'
+                    '.includes("in flight per rank"))'))
+                (SCREENSHOTS / "10_schedule_table.png").write_bytes(
+                    chromium.screenshot(session, padded(rect)))
+            chromium.send("Emulation.setDeviceMetricsOverride", session, width=400, height=800,
+                          deviceScaleFactor=1, mobile=True)
+            seen[name, "phone"] = chromium.evaluate(session, PAGE_WIDTH)
+            if "03_" in name:
+                (SCREENSHOTS / "03_phone_400px.png").write_bytes(chromium.screenshot(session))
+            chromium.send("Emulation.clearDeviceMetricsOverride", session)
+            chromium.send("Emulation.setEmulatedMedia", session, media="print")
+            seen[name, "print"] = chromium.evaluate(session, HIDDEN)
+    finally:
+        chromium.close()
+    failed = []
+    for (name, what), value in ((k, v) for k, v in seen.items() if isinstance(k, tuple)):
+        if what == "phone" and value > 400:  # a long inline identifier made it 462 px wide
+            failed.append(f"{name} is {value} px wide at a 400 px viewport: it scrolls sideways")
+        if what == "print" and value:  # chapter 06's --help was cut at 32rem, behind a scroll bar
+            failed.append(f"{name}, printed: blocks hiding part of their text: {value}")
+    if not (seen["rows"] and all(n == 1 for n in seen["rows"])):
+        failed.append(f"chapter 10's schedule table: lines per row {seen['rows']} (each row one)")
+    assert not failed, "\n".join(failed)
 
 
 def test_make_site_and_ci_publish_it():

@@ -7,12 +7,17 @@ browsers render by themselves (MathML Core), so no page loads anything from the 
 formula it would garble (an environment it does not know leaves a literal & or a line break
 MathML Core ignores) is rewritten into one it knows, or reported as not converted.
 
-The home page (index.html) is a learner's start page: who the course is for, how to start, and
-the path, each chapter's promise and reading time read from its notebook's first cell by
+The home page (index.html) is a learner's start page: who the course is for, how to start (with
+the `git clone` command when the repository's address is known: see repository_url), and the
+path, each chapter's promise and reading time read from its notebook's first cell by
 distkit.course.chapters (the site never parses the README). The rest mirrors the repository:
 notebooks/NN.ipynb -> notebooks/NN.html, any other file a page links to -> the same path + .html
 (highlighted; Markdown rendered; README.md -> README.html), images copied. So every relative
-link in the notebooks and the README works as it does on GitHub.
+link in the notebooks and the README works as it does on GitHub; in the Markdown pages a chapter
+named by its number (the glossary's "Chapter 03.") links to its page too.
+
+Outputs wrap their lines, as in JupyterLab, except the rows of a table (aligned columns: see
+table_rows), kept whole (their block scrolls); printed, nothing is cut (site.css, @media print).
 
     PYTHONPATH=code python -m distkit.course.site [OUT]      # default build/site
 """
@@ -20,6 +25,7 @@ import html
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -103,6 +109,107 @@ def github_slug(heading_html: str) -> str:
     spaces as -."""
     text = html.unescape(re.sub(r"<[^>]+>", "", heading_html)).strip().lower()
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def public_url(url: str) -> str:
+    """A git remote as the https address a learner can open and clone: ssh forms
+    (git@host:owner/repo.git, ssh://git@host/owner/repo) made https, any user:password@ and a
+    trailing .git or / dropped; "" for a local path or anything else."""
+    url = url.strip()
+    if m := re.fullmatch(r"(?:ssh://)?[\w.-]+@([\w.-]+)[:/](?!/)(.+?)", url):
+        url = f"https://{m.group(1)}/{m.group(2)}"
+    m = re.fullmatch(r"https?://(?:[^@/]*@)?([\w.-]+(?::\d+)?/[^\s?#]+?)(?:\.git)?/?", url)
+    return f"https://{m.group(1)}" if m else ""
+
+
+def repository_url(root: Path = ROOT, environ=None) -> str:
+    """Where a learner clones the course from: CITATION.cff's `repository-code`, else the GitHub
+    Actions run that builds the published site (GITHUB_SERVER_URL/GITHUB_REPOSITORY), else the
+    clone's `origin` remote; "" when none says."""
+    environ = os.environ if environ is None else environ
+    cff = Path(root) / "CITATION.cff"
+    if cff.is_file():
+        m = re.search(r"^repository-code:\s*[\"']?([^\"'\s#]+)", cff.read_text(), re.M)
+        if m and public_url(m.group(1)):
+            return public_url(m.group(1))
+    if environ.get("GITHUB_REPOSITORY"):
+        return public_url(f"{environ.get('GITHUB_SERVER_URL') or 'https://github.com'}/"
+                          f"{environ['GITHUB_REPOSITORY']}")
+    try:
+        origin = subprocess.run(["git", "-C", str(root), "remote", "get-url", "origin"],
+                                capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return public_url(origin)
+
+
+def table_rows(lines: list) -> set:
+    """The indices of the lines that are rows of a table: 3 or more consecutive lines with 3 or
+    more columns padded apart (two spaces or more between two words), 3 of them starting a column
+    at the same place (not a traceback's "[rank0]:   File ..."). Wrapped, such a row breaks in two
+    and its columns no longer line up (chapter 10's schedules); a sentence or an error line has
+    no such columns, and wraps."""
+    starts = [{m.end() for m in re.finditer(r"\S {2,}(?=\S)", line)} for line in lines]
+    starts = [cols if len(cols) >= 2 else set() for cols in starts]  # 3 columns or more
+    rows, group = set(), []
+    for i, cols in enumerate(starts + [set()]):  # a sentinel ends the last group
+        if cols:
+            group.append(i)
+            continue
+        if len(group) >= 3 and any(sum(c in starts[j] for j in group) >= 3
+                                   for c in set().union(*(starts[j] for j in group))):
+            rows.update(group)
+        group = []
+    return rows
+
+
+OUTPUT_PRE = re.compile(r'(<div class="[^"]*\boutput_text\b[^"]*">\s*)<pre>([^<]*)</pre>')
+
+
+def mark_tables(body: str) -> str:
+    """In each plain text output with a table (table_rows), each row in a <span class="row">
+    and the block <pre class="table">: site.css keeps the rows whole (the block scrolls) while
+    its other lines wrap."""
+    def one(m):
+        lines = m.group(2).split("\n")
+        rows = table_rows([html.unescape(line) for line in lines])
+        if not rows:
+            return m.group(0)
+        text = "\n".join(f'<span class="row">{line}</span>' if i in rows else line
+                         for i, line in enumerate(lines))
+        return f'{m.group(1)}<pre class="table">{text}</pre>'
+    return OUTPUT_PRE.sub(one, body)
+
+
+# "Chapter 03", "chapters 02, 04 and 06", "chapter 08's": the numbers of chapters in a text.
+CHAPTER_REF = re.compile(r"\b([Cc]hapters?)(\s+)(\d\d(?:(?:,\s*|\s+and\s+|\s*-\s*|\s+to\s+)\d\d)*)"
+                         r"(?!\d)")
+NO_LINKS_IN = ("a", "code", "pre", "math", "h1", "h2", "h3", "h4", "h5", "h6")
+
+
+def link_chapters(text: str, href) -> str:
+    """HTML `text` with each chapter named by number ("Chapter 03") a link to `href(num)` (None:
+    no such chapter, left as it is); never inside a link, code, math or a heading. One number
+    links the whole phrase, a list each number."""
+    out, skip = [], 0
+    for part in re.split(r"(<[^>]+>)", text):
+        tag = re.match(r"<(/?)([a-zA-Z][a-zA-Z0-9]*)", part)
+        if tag and tag.group(2).lower() in NO_LINKS_IN:
+            skip = max(0, skip + (-1 if tag.group(1) else 1))
+        if part.startswith("<") or skip or not part:  # a tag, a comment, or text not to link
+            out.append(part)
+            continue
+
+        def one(m):
+            nums = re.findall(r"\d\d", m.group(3))
+            if len(nums) == 1:
+                url = href(nums[0])
+                return f'<a href="{url}">{m.group(0)}</a>' if url else m.group(0)
+            return m.group(1) + m.group(2) + re.sub(
+                r"\d\d", lambda n: f'<a href="{href(n.group(0))}">{n.group(0)}</a>'
+                if href(n.group(0)) else n.group(0), m.group(3))
+        out.append(CHAPTER_REF.sub(one, part))
+    return "".join(out)
 
 
 @dataclass
@@ -262,6 +369,7 @@ class Site:
         self.queue: list = []  # repository paths still to write
         self.done: set = set()
         self.chapters = chapters(self.root)
+        self.repo_url = repository_url(self.root)
         self.exporter = Exporter(self.formulas, "")
         env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=False,
                                  keep_trailing_newline=True)
@@ -303,7 +411,8 @@ class Site:
                  "next": self.chapters[i + 1] if 0 <= i < len(self.chapters) - 1 else None}
         page = self.templates["page"].render(
             course=COURSE, title=title, body=body, root="../" * depth, current=dest,
-            chapters=self.chapters, site_path=site_path, **(pager if chapter else {}))
+            chapters=self.chapters, site_path=site_path, repo_url=self.repo_url,
+            **(pager if chapter else {}))
         # The template's links are repository paths too (chapters, LICENSE): relink them all.
         (self.out / dest).parent.mkdir(parents=True, exist_ok=True)
         (self.out / dest).write_text(self.relink(page, repo_path), encoding="utf-8")
@@ -320,7 +429,8 @@ class Site:
         docs["readme"] = (self.root / "README.md").is_file()
         body = self.templates["home"].render(
             course=COURSE, rows=rows, minutes=sum(c.minutes for c in self.chapters),
-            rate=chapter_meta.RATE, docs=docs)
+            rate=chapter_meta.RATE, docs=docs, repo_url=self.repo_url,
+            repo_dir=self.repo_url.rstrip("/").rsplit("/", 1)[-1])
         self.write("index.html", COURSE, body)
 
     def notebook(self, chapter: Chapter) -> None:
@@ -341,11 +451,15 @@ class Site:
             diagram=os.path.relpath(chapter.diagram, here) if chapter.diagram else "",
             exercises=[[os.path.relpath(p, here) if p else "" for p in pair]
                        for pair in chapter.exercises])
-        self.write(chapter.path, chapter.plain_title, header + body, chapter)
+        self.write(chapter.path, chapter.plain_title, header + mark_tables(body), chapter)
 
     def markdown_file(self, repo_path: str) -> None:
         text = (self.root / repo_path).read_text(encoding="utf-8")
-        self.write(repo_path, repo_path, markdown(text, self.formulas, repo_path))
+        by_num = {c.num: c.path for c in self.chapters}
+        here = os.path.dirname(repo_path)
+        href = lambda num: os.path.relpath(by_num[num], here) if num in by_num else None  # noqa: E731
+        self.write(repo_path, repo_path,
+                   link_chapters(markdown(text, self.formulas, repo_path), href))
 
     def text_file(self, repo_path: str) -> None:
         text = (self.root / repo_path).read_text(encoding="utf-8")
