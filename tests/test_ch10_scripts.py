@@ -1,12 +1,13 @@
 """Chapter 10's lesson scripts, run directly at settings the notebook does not use: float8
 training with torch's kernel, three schedules at 6 micro-batches, the 3-D script on a
 (pp 2, dp 2, tp 1) mesh with 3 micro-batches (4 processes: `make test-nproc`); and each
-script's bad input, one line and exit 2 (in this process: nothing launched)."""
+script's bad input, one line and exit 2 (in this process: nothing launched); and the notebook's
+parameter check refusing a mesh whose collectives section 6 does not count."""
 import json
 
 import pytest
 
-from conftest import run_in_process, run_json, run_scripts_at_once
+from conftest import run_in_process, run_json, run_parameter_check, run_scripts_at_once
 from distkit.schedules import actions, one_f_one_b
 
 F8 = "ch10_float8_3d/float8_train.py"
@@ -70,3 +71,20 @@ def test_bad_input_is_one_line(monkeypatch, capsys):
         status, _, err = run_in_process(monkeypatch, capsys, script, *args, env=env)
         assert status == 2 and message in err.splitlines()[-1], (script, args, err)
 
+
+
+def test_notebook_refuses_a_mesh_its_counts_do_not_cover(tmp_path, monkeypatch):
+    """Section 6's expected counts hold for pp 2 (every stage has one neighbour), dp >= 2 and
+    tp >= 2 (FSDP2 and DTensor skip the collectives of a 1-rank group): [4, 1, 2] ran 79 s and
+    then failed that cell's assertion on every rank (expert_ch10.md F11). Refused up front, in
+    one line."""
+    for i, mesh in enumerate([[4, 1, 2], [2, 1, 2], [2, 2, 1]]):
+        (tmp_path / str(i)).mkdir()
+        with pytest.raises(ValueError) as refused:
+            run_parameter_check("10_float8_schedules_3d.ipynb", {"MESH_3D": mesh},
+                                tmp_path / str(i), monkeypatch)
+        assert "MESH_3D must be [2, dp >= 2, 2 or 4]" in str(refused.value), mesh
+        assert "\n" not in str(refused.value)
+    (tmp_path / "ok").mkdir()
+    run_parameter_check("10_float8_schedules_3d.ipynb", {"MESH_3D": [2, 4, 4]},
+                        tmp_path / "ok", monkeypatch)  # 32 processes: allowed (a GPU node)
