@@ -17,14 +17,16 @@ your own instead (tensor and pipeline parallelism included: those print no capst
 Everything is distkit.plan's, the code notebook 08 calls.
 """
 import argparse
+import json
 import math
 import sys
+from pathlib import Path
 
 from distkit.memory import GiB
 from distkit.plan import (ALL_IN_CONTAINS, GPU_NAMES, LINKS, all_in, capstone_command,
                           capstone_refuses, fits, fitted, layout_peak_bytes, load_config, plan,
-                          power_efficiency, presets, reserved_bytes, search,
-                          selective_cpu_seconds, show)
+                          power_efficiency, predict, presets, published_speed, reserved_bytes,
+                          search, selective_cpu_seconds, show)
 from distkit.speed import GPUS, Layout
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -49,6 +51,7 @@ parser.add_argument("--layout", metavar="K=V,...", help="one layout instead of t
                     "e.g. tp=8,pp=16,batch=1,ac=none,schedule=Interleaved1F1B,virtual=2 (keys: "
                     "tp, pp, replicate, batch, ac, schedule, virtual, sync, compile)")
 parser.add_argument("--top", type=int, default=3, help="plans to print (default 3)")
+parser.add_argument("--json", metavar="PATH", help="also write the plans here")
 args = parser.parse_args()
 
 try:
@@ -111,6 +114,7 @@ print(f"all-in factor {factor['central']:.2f} (range {factor['low']:.2f}-{factor
       + ", ".join(f"{x['id']} {100 * x['miss']:+.0f} %" for x in held))
 
 # 3. each plan
+written = []
 for i, x in enumerate(choices, 1):
     lay = x["layout"]
     p = plan(config, lay, gpu=gpu, link=link, eta=x["eta"], tokens=args.tokens,
@@ -137,10 +141,27 @@ for i, x in enumerate(choices, 1):
     print(f"  cost: steady state ${p['cost']:,.0f} ({p['gpu hours']:,.0f} GPU-hours); all-in "
           f"${p['cost'] * factor['central']:,.0f} (range ${lo:,.0f}-${hi:,.0f}; "
           f"{p['days'] * factor['central']:.1f} days)")
+    if lay.pp > 1 or lay.gpus > 2048:
+        meta = [r for r in runs["runs"] if r["id"].startswith("meta-405b")]
+        miss = [predict(r, runs, eff)["tokens/s/GPU"] / published_speed(r, runs) - 1
+                for r in meta]
+        misses = ", ".join(f"{100 * m:+.0f} %" for m in miss)
+        print(f"  outside the evidence: past 2,048 GPUs and with pipelines the only published "
+              f"runs, Meta's 405B on 8,192 and 16,384 GPUs, were predicted {misses} (section 5): "
+              f"measure before you sign")
     why = capstone_refuses(lay, x["compiled"])
-    if why:
-        print(f"  capstone: none ({why})")
-    else:
-        print("  run it: " + capstone_command(args.model, lay, x["compiled"], args.tokens, config))
+    command = None if why else capstone_command(args.model, lay, x["compiled"], args.tokens,
+                                                config)
+    print(f"  capstone: none ({why})" if why else f"  run it: {command}")
+    written.append({"layout": lay.describe(), "compiled": x["compiled"],
+                    "allocated_gib": p["allocated"] / GiB, "fits": p["fits"],
+                    "tokens_per_s_per_gpu": p["time"]["tokens/s/GPU"], "days": p["days"],
+                    "gpu_hours": p["gpu hours"], "cost": p["cost"],
+                    "all_in": {k: p["cost"] * factor[k] for k in ("central", "low", "high")},
+                    "all_in_days": p["days"] * factor["central"], "command": command})
+if args.json:
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"plans": written, "all_in": {
+        k: factor[k] for k in ("central", "low", "high")}}, indent=1))
 print(f"\nall-in contains {ALL_IN_CONTAINS}; the plan cannot know your data pipeline, your "
       f"cluster's failure rate, your evaluation schedule or your restarts' real cost.")

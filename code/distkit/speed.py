@@ -376,8 +376,8 @@ class Layout:
             f", loss in {self.loss_chunks} chunks" if self.loss_chunks > 1 else "") + (
             f", {self.schedule}" + (f" (v {self.virtual})" if self.virtual > 1 else "")
             if self.pp > 1 else "") + (
-            ", gradients synced every micro-batch" if self.sync_every_microbatch
-            else ", fp32 gradients unsharded between micro-batches"
+            (", gradients synced every micro-batch" if self.sync_every_microbatch
+             else ", fp32 gradients unsharded between micro-batches")
             if self.accumulation > 1 and self.pp == 1 else "")
         return f"{' x '.join(parts)}, {self.batch} x {self.seq} per rank, {self.ac} AC{extra}"
 
