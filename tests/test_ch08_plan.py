@@ -156,4 +156,5 @@ def test_notebook_with_other_parameters(tmp_path):
     assert "1b on 64 ranks: the grid holds it: False" in text
     assert "points: peak and every category within 10 %: True" in text
     assert "GPU H200 SXM: 989 TFLOP/s dense bf16, 140.4 GiB" in text
-    assert "128 GPUs: HSDP 16 x 8" in text and "at $4.00/GPU-hour" in text
+    assert "plan.py --model 8b --gpus 128 --gpu h200-sxm" in text and "at $4.00/GPU-hour" in text
+    assert "the plan to sign: " in text
