@@ -317,3 +317,41 @@ def test_peak_bf16_by_device_name(name, peak):
     """The capstone's MFU reads the peak by torch.cuda.get_device_name(): the longest table name
     the device's contains wins, whatever the table's order (an L40S is no L4, an A10G no A10)."""
     assert peak_bf16(name) == peak
+
+
+def test_pipeline_schedules_bubble_by_their_formulas():
+    """The schedule's idle fraction (distkit.schedules.bubble_formula, chapter 10's counts):
+    with m micro-batches of `micro` seconds the busy part of the step is m x micro / (1 - idle);
+    interleaving v stages per rank cuts 1F1B's (p-1)/(m+p-1) to (p-1)/(vm+p-1), zero bubble to
+    (p-1)/(3vm+p-1)."""
+    kw = dict(gpus=64, seq=8192, pp=4, tp=8, accumulation=12, ac="full", sequence_parallel=True)
+    for schedule, v, idle in (("1F1B", 1, 3 / 15), ("Interleaved1F1B", 2, 3 / 27),
+                              ("InterleavedZeroBubble", 2, 3 / 75)):
+        t = step_time(C70, Layout(**kw, schedule=schedule, virtual=v), gpu=H100, link=NDR,
+                      eta=0.4)
+        busy = 12 * t["micro-step s"] / (1 - idle)
+        assert t["pp bubble s"] == pytest.approx(busy - 12 * t["micro-step s"])
+        assert t["step s"] == pytest.approx(busy + t["fsdp exposed s"] + t["copies s"]
+                                            + t["optimizer s"])
+    with pytest.raises(ValueError, match="stages per rank"):
+        Layout(**kw, schedule="Interleaved1F1B", virtual=1)
+
+
+def test_accumulation_without_sync_skips_the_early_reduce_scatters():
+    """train_llama.py's default (set_requires_gradient_sync(False) until the last micro-batch):
+    the m - 1 early micro-steps run no reduce-scatter. On a slow link (FSDP's traffic exposed),
+    the step is shorter by exactly those scatters: per layer and for the root, fp32, plus the
+    root's last one that nothing covers."""
+    slow = 1e9
+    kw = dict(gpus=64, seq=8192, accumulation=4, ac="full")
+    synced = step_time(C8, Layout(**kw), gpu=H100, link=slow, eta=0.4)
+    kept = step_time(C8, Layout(**kw, sync_every_microbatch=False), gpu=H100, link=slow, eta=0.4)
+    layer, root = llama_parts(C8)["layer"], llama_parts(C8)["root"]
+
+    def rs(nbytes):
+        return collective_time("reduce_scatter", nbytes, 64, 8, H100.nvlink, slow)
+    scatter = 32 * rs(4 * layer) + rs(4 * root)
+    # exposed in both: the backward's gathers alone already outlast its compute here
+    gathers = 32 * collective_time("all_gather", 2 * layer, 64, 8, H100.nvlink, slow)
+    assert gathers > synced["backward compute s"]
+    assert synced["step s"] - kept["step s"] == pytest.approx(3 * (scatter + rs(4 * root)))
