@@ -87,10 +87,10 @@ if args.layout:
                         schedule=kv.get("schedule", "1F1B"), **ints)
     except (ValueError, TypeError) as e:
         parser.error(f"--layout {args.layout}: {e}")
-    e, _ = power_efficiency(eff, gpu, compiled, args.power)
+    eta, _ = power_efficiency(eff, gpu, compiled, args.power)
     floor = selective_cpu_seconds()[1] if layout.ac == "selective" and not (
         capstone_refuses(layout, compiled)) else 0.0
-    choices = [{"layout": layout, "compiled": compiled, "eta": e, "cpu floor s": floor,
+    choices = [{"layout": layout, "compiled": compiled, "eta": eta, "cpu floor s": floor,
                 "other sync": None}]
 else:
     choices = search(config, gpus=args.gpus, seq=args.seq, gpu=gpu, link=link, eff=eff,
