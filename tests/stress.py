@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # The failure demos, the launcher's failure reports, the exercise starters stopping on every
-# rank, and a restart (MAX_RESTARTS) after a killed rank.
+# rank, a restart (MAX_RESTARTS) after a killed rank, and the capstone's chaos run.
 TESTS = [
     "tests/test_ch07_scripts.py",
     "tests/test_ch07_smoke.py::test_disagreeing_rank_stops_every_rank_at_once",
@@ -29,6 +29,8 @@ TESTS = [
     "tests/test_distkit.py::test_launch_raises_when_the_launch_fails",
     "tests/test_distkit.py::test_launch_expect_failure_shows_rank_errors",
     "tests/test_ch05_scripts.py::test_a_killed_rank_restarts_the_group_from_the_last_checkpoint",
+    # the capstone: SIGKILLs at save steps, resumed to the end, bit-identical (issue 47)
+    "tests/test_ch06_scripts.py::test_chaos_kills_at_save_steps_resume_bit_identical",
 ]
 # a busy loop that ends when its parent (this script) is gone
 SPIN = "import os\np = os.getppid()\nwhile os.getppid() == p:\n    for _ in range(10**6): pass\n"

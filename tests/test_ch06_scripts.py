@@ -729,13 +729,19 @@ def test_past_a_bad_region_with_a_lower_lr(spiked, small):
     assert "resumed from step_000003: step 3 of 12" in proc.stdout
     assert "--change-schedule at step 3: --lr 0.003 -> 0.001, --min-lr 0.0003 -> 0.0001" \
         in proc.stdout
-    assert run_info(out)["schedule_changes"] == [{
-        "step": 3, "was": {"--lr": 0.003, "--min-lr": 0.0003},
-        "now": {"--lr": 0.001, "--min-lr": 0.0001}}]
+    changes = [{"step": 3, "was": {"--lr": 0.003, "--min-lr": 0.0003},
+                "now": {"--lr": 0.001, "--min-lr": 0.0001}, "resumed_from": 3}]
+    assert run_info(out)["schedule_changes"] == changes
     assert not (out / "failed.json").exists()
     rows = rows_of(out)
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13))
     assert rows[-1]["lr"] == pytest.approx(1e-4)
+    # the sbatch requeues a job with the same options: that --resume-from is not done twice
+    again = run_ok(1, SCRIPT, *args, "--out", out, "--resume-from", "3", "--change-schedule",
+                   "--lr", "1e-3", "--min-lr", "1e-4", timeout=600)
+    assert "--resume-from 3: done by an earlier attempt (run.json)" in again.stdout
+    assert "resumed from step_000012: step 12 of 12" in again.stdout
+    assert run_info(out)["schedule_changes"] == changes
 
 
 @pytest.mark.second_nproc
@@ -753,6 +759,62 @@ def test_an_evaluation_that_overflows_is_a_non_finite_stop(small, inject):
         in proc.stderr, proc.stderr
     assert json.loads((out / "failed.json").read_text())["reason"] == "non-finite"
     assert [p.name for p in CheckpointDir(out / "checkpoints").committed()] == ["step_000003"]
+
+
+def checkpoint_tensors(folder) -> dict:
+    """Every value of a DCP checkpoint, unsharded (dcp_to_torch_save: no process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(folder, folder.parent / f"{folder.name}.pt")
+    state = torch.load(folder.parent / f"{folder.name}.pt", weights_only=False)
+    (folder.parent / f"{folder.name}.pt").unlink()
+    return state
+
+
+@pytest.mark.stress
+def test_chaos_kills_at_save_steps_resume_bit_identical(tmp_path, inject):
+    """make stress (issue 47): the capstone on 2 ranks, 18 steps, a save every 3 (sync or
+    --async-save, drawn), SIGKILLed twice on a random rank right after a save step's update
+    or the step after it (the save of that step in flight), resumed each time. The metrics
+    rows (loss, gradient norm, LR, tokens) and the final checkpoint (every weight, AdamW
+    moment and counter) equal the uninterrupted run's, bit for bit."""
+    import random
+    rng = random.Random()
+    seed = rng.randrange(10**6)
+    rng.seed(seed)
+    mode = rng.choice([[], ["--async-save"]])
+    corpus.prepare(tmp_path / "data", 300)
+    args = ["--data-dir", tmp_path / "data", "--vocab-size", "300", "--seq-len", "32",
+            "--batch-size", "4", "--micro-batch", "2", "--max-steps", "18", "--warmup", "2",
+            "--eval-every", "9", "--eval-sequences", "4", "--save-every", "3", "--keep", "2",
+            "--no-progress", "--no-export", *mode]
+    run_ok(2, SCRIPT, *args, "--out", tmp_path / "ref", timeout=600)
+    first, second = sorted(rng.sample([3, 4, 6, 7, 9, 10, 12, 13], 2))
+    kills = [f"{rng.randrange(2)}:{first}", f"{rng.randrange(2)}:{second - first}"]
+    note = f"seed {seed}, {mode or 'sync'}, kills (rank:step of that attempt) {kills}"
+    for i, kill in enumerate(kills):
+        proc = faulty(inject, 2, *args, "--out", tmp_path / "run",
+                      *(["--resume"] if i else []), KILL_AT=kill)
+        assert proc.returncode != 0 and "killed by SIGKILL" in proc.stderr, note
+    run_ok(2, SCRIPT, *args, "--out", tmp_path / "run", "--resume", timeout=600)
+    keys = ("step", "loss", "grad_norm", "lr", "tokens", "eval_loss")
+    rows = [[{k: r.get(k) for k in keys} for r in rows_of(tmp_path / name)]
+            for name in ("ref", "run")]
+    assert rows[0] == rows[1], note
+    want, got = (checkpoint_tensors(tmp_path / name / "checkpoints" / "step_000018")
+                 for name in ("ref", "run"))
+    flat = [dict(ckpt_items(x)) for x in (want, got)]
+    assert sorted(flat[0]) == sorted(flat[1]), note
+    assert [k for k, v in flat[0].items()
+            if not (torch.equal(v, flat[1][k]) if isinstance(v, torch.Tensor)
+                    else v == flat[1][k])] == [], note
+
+
+def ckpt_items(obj, prefix=""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from ckpt_items(v, f"{prefix}{k}.")
+    else:
+        yield prefix.rstrip("."), obj
 
 
 @pytest.mark.second_nproc

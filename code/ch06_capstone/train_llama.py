@@ -563,6 +563,13 @@ progress = Progress()
 state = {"app": AppState(model, optimizer), "progress": progress}
 ckpt = CheckpointDir(out / "checkpoints", keep=args.keep)  # on a signal, saved in any case
 metrics_path = out / "metrics.jsonl"
+changes = (json.loads((out / "run.json").read_text()).get("schedule_changes", [])
+           if args.resume and (out / "run.json").exists() else [])  # (read before any write)
+if args.resume_from is not None and any(c.get("resumed_from") == args.resume_from
+                                        for c in changes):  # a requeue of that job:
+    print0(f"--resume-from {args.resume_from}: done by an earlier attempt (run.json); "
+           "resuming from the newest checkpoint")  # going back again would undo its work
+    args.resume_from = None
 if args.resume_from is not None:  # an older checkpoint, asked for by its step
     start = ckpt.path(args.resume_from)
     if why := ckpt.problem(start):  # collective: the same verdict on every rank
@@ -597,12 +604,12 @@ def write_run_info() -> None:
         (out / "run.json").write_text(json.dumps(run_info, indent=1))
 
 
-if env.rank == 0 and start and (out / "run.json").exists():  # the run's changes so far, kept
-    run_info["schedule_changes"] = json.loads((out / "run.json").read_text()).get(
-        "schedule_changes", [])
-if progress.changed:  # --change-schedule: from which step, what it was, what it is now
-    run_info["schedule_changes"].append({"step": progress.step, "was": progress.changed,
-                                         "now": {k: progress.run[k] for k in progress.changed}})
+run_info["schedule_changes"] = changes if start else []  # the run's changes so far, kept
+if progress.changed or args.resume_from is not None:  # from which step, what was, what is
+    run_info["schedule_changes"].append(
+        {"step": progress.step, "was": progress.changed,
+         "now": {k: progress.run[k] for k in progress.changed},
+         **({"resumed_from": args.resume_from} if args.resume_from is not None else {})})
     print0(f"--change-schedule at step {progress.step}: " + ", ".join(
         f"{k} {v} -> {progress.run[k]}" for k, v in progress.changed.items()))
 
