@@ -207,6 +207,10 @@ def check_results(out, n: int, layers: int) -> None:
     assert naive["layers"] == [[r * per, (r + 1) * per] for r in range(n)]
     assert len(naive["losses"]) == len(single["losses"]) > 0
     assert max(abs(a - b) for a, b in zip(naive["losses"], single["losses"])) < 1e-4
+    assert grad_check(naive["grad_norms"], single["grad_norms"])["gap"] < 1e-5
+    pipe = load("pipeline.json")
+    assert all(grad_check(grads, single["grad_norms"])["gap"] < 1e-5
+               for grads in pipe["grad_norms"].values()) and len(pipe["grad_norms"]) == 2
     bench = load("bench.json")
     assert bench["world_size"] == n
     one = bench["memory"]["gpipe m=1"]["peak_activation_bytes"]

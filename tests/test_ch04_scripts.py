@@ -7,6 +7,7 @@ import json
 import pytest
 
 from conftest import run_in_process, run_json, run_papermill, run_scripts_at_once
+from distkit.dist import grad_check
 
 ONE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost"}
 
@@ -38,12 +39,14 @@ def test_one_process_fsdp2_and_meta_init_match_one_process_training(tmp_path):
         "meta": ("ch04_fsdp2/meta_init.py", ["--json", tmp_path / "meta.json"], ONE_PROCESS)})
     for name, (status, _, err) in runs.items():
         assert status == 0, (name, err[-2000:])
-    single, fsdp2 = (json.loads((tmp_path / f"{n}.json").read_text())["losses"]
-                     for n in ("single", "fsdp2"))
+    one, sharded = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("single", "fsdp2"))
+    single, fsdp2 = one["losses"], sharded["losses"]
     assert len(single) == len(fsdp2) == 8
     assert max(abs(a - b) for a, b in zip(single, fsdp2)) < 1e-5
+    assert grad_check(sharded["grad_norms"], one["grad_norms"])["gap"] < 1e-5  # step 1's
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["fixed"]["losses_match"] and meta["fixed"]["inv_freq_ok_all"]
+    assert meta["fixed"]["grads_match"] and not meta["forgotten_nan"]["grads_match"]
     # NaN-filled memory: the forgotten buffer fails on any machine (garbage could be right)
     assert meta["forgotten_nan"]["inv_freq_nan_all"] and not meta["forgotten_nan"]["losses_match"]
 
@@ -53,6 +56,7 @@ def test_meta_init_on_four_ranks_matches_one_process(tmp_path):
     res, out = run_json(tmp_path, 4, "ch04_fsdp2/meta_init.py")
     assert res["world_size"] == 4
     assert res["fixed"]["losses_match"] and res["fixed"]["inv_freq_ok_all"]
+    assert res["fixed"]["grads_match"]
     assert res["forgotten_nan"]["inv_freq_nan_all"] and not res["forgotten_nan"]["losses_match"]
     assert "fixed (NaN-filled)    : rotary inv_freq right on every rank: True;" in out
 

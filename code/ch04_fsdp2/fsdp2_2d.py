@@ -12,10 +12,10 @@ One launch trains the same seeded tiny Llama, on the same global batch, in three
 - fsdp+tp: a 2D mesh (dp, tp): chapter 02's Megatron plan splits every decoder layer over "tp",
   then fully_shard shards the result over "dp" (torchtitan's order: TP first, FSDP last). FSDP
   gathers and reduces over "dp"; TP all-reduces activations over "tp".
-Each layout runs a few AdamW steps; its losses must match one process training on the whole
-global batch. distkit.comm.CollectiveLog records the collectives of one step (forward +
-backward), each named by the mesh dimension its process group spans; and each rank's parameter
-bytes at rest are counted.
+Each layout runs a few AdamW steps; its losses and step 1's gradients must match one process
+training on the whole global batch. distkit.comm.CollectiveLog records the collectives of one
+step (forward + backward), each named by the mesh dimension its process group spans; and each
+rank's parameter bytes at rest are counted.
 """
 import argparse
 import os
@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from distkit import print0, seed_everything, setup, teardown, write_json
 from distkit.comm import CollectiveLog
+from distkit.dist import grad_check, grad_norms
 from distkit.toy import counting_data, tiny_llama
 from distkit.tp import parallelize  # chapter 02's plans, one copy for both chapters
 
@@ -40,6 +41,10 @@ LAYOUTS = ["fsdp", "hsdp", "fsdp+tp"]
 # rounding. Measured, 3 steps, native and scalar kernels (ATEN_CPU_CAPABILITY=default): 4.8e-7
 # in every layout, 1 ulp of a loss near 4.9. The bound is 20x above that.
 LOSS_TOL = 1e-5
+# Step 1's gradients too (the norm of each parameter's, over the largest): AdamW's update ignores
+# a constant factor on the gradient, so a missing 1/N (a replicate dimension's all-reduce that
+# sums) would leave the losses within LOSS_TOL. Measured gaps: about 1e-8.
+GRAD_TOL = 1e-5
 LR = 1e-3
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -126,19 +131,21 @@ def shard(layout: str, model):
     return mesh, dp
 
 
-def train(model, batch, log=None) -> list:
-    """A few AdamW steps on `batch`; returns each step's loss. `log` records the collectives of
-    the last step's forward and backward."""
+def train(model, batch, log=None) -> tuple[list, dict]:
+    """A few AdamW steps on `batch`; returns each step's loss and step 1's gradient norms (per
+    parameter, the whole parameter's). `log` records the collectives of the last step's forward
+    and backward."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
+    losses, grads = [], None
     for step in range(args.steps):
         with log if log and step == args.steps - 1 else nullcontext():
             loss = model(input_ids=batch, labels=batch).loss  # cross-entropy, next token
             loss.backward()
+        grads = grads or grad_norms(model)  # (outside the log: its reductions are the check's)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, grads
 
 
 def local_bytes(model) -> int:
@@ -163,7 +170,8 @@ predicted = {"fsdp": (4 * num_params // env.world_size, f"4 B x P / {env.world_s
              "fsdp+tp": (4 * (tp_params // env.world_size
                               + (num_params - tp_params) // (env.world_size // args.tp)),
                          f"4 B x (P_tp / {env.world_size} + P_rest / {env.world_size // args.tp})")}
-reference = train(full, tokens)  # one process (each rank, alone), the whole global batch
+# one process (each rank, alone), the whole global batch
+reference, reference_grads = train(full, tokens)
 results = {}
 for layout in layouts:
     start = time.perf_counter()
@@ -171,8 +179,8 @@ for layout in layouts:
     mesh, (index, size) = shard(layout, model)
     log = CollectiveLog()
     per_dp = args.batch_size // size
-    losses = torch.tensor(train(model, tokens[index * per_dp:(index + 1) * per_dp], log),
-                          device=env.device)
+    losses, grads = train(model, tokens[index * per_dp:(index + 1) * per_dp], log)
+    losses = torch.tensor(losses, device=env.device)
     # the global batch's loss is the mean of the ranks' (a tp group's ranks hold the same one,
     # so each slice is counted tp times: still the mean)
     dist.all_reduce(losses)
@@ -180,9 +188,12 @@ for layout in layouts:
     at_rest = [None] * env.world_size
     dist.all_gather_object(at_rest, local_bytes(model))
     diff = max(abs(a - b) for a, b in zip(losses, reference))
+    check = grad_check(grads, reference_grads)
     results[layout] = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "losses": losses,
-                       "max_loss_diff": diff,
-                       "parity": diff < LOSS_TOL, "collectives": by_mesh_dim(log, mesh),
+                       "max_loss_diff": diff, "grad_gap": check["gap"],
+                       "grad_scale": check["scale"],
+                       "parity": diff < LOSS_TOL and check["gap"] < GRAD_TOL,
+                       "collectives": by_mesh_dim(log, mesh),
                        "param_bytes_per_rank": at_rest,
                        "param_bytes_predicted": predicted[layout][0],
                        "seconds": time.perf_counter() - start}
@@ -204,13 +215,16 @@ for layout, r in results.items():
     print0(f"{layout:8s} " + " ".join(f"{b:7d}" for b in r["param_bytes_per_rank"])
            + f"   {predicted[layout][1]} = {predicted[layout][0]}")
 print0(f"\nlosses of {args.steps} AdamW steps vs one process on the whole global batch "
-       f"({' '.join(f'{x:.3f}' for x in reference)}):")
+       f"({' '.join(f'{x:.3f}' for x in reference)}), and step 1's gradient norms:")
 for layout, r in results.items():
-    print0(f"{layout:8s} max |loss - reference| < {LOSS_TOL:g}: {r['parity']}")
+    print0(f"{layout:8s} max |loss - reference| < {LOSS_TOL:g}: "
+           f"{r['max_loss_diff'] < LOSS_TOL}; gradients < {GRAD_TOL:g} of the largest: "
+           f"{r['grad_gap'] < GRAD_TOL} ({r['grad_scale']:.2f}x)")
 write_json(args.json, {"world_size": env.world_size, "layers": args.layers,
                        "hidden": args.hidden, "heads": args.heads, "batch": args.batch_size,
                        "seq": tokens.shape[1], "steps": args.steps, "shard": args.shard,
                        "tp": args.tp, "num_params": num_params, "tp_params": tp_params,
-                       "tolerance": LOSS_TOL, "reference_losses": reference,
+                       "tolerance": LOSS_TOL, "grad_tolerance": GRAD_TOL,
+                       "reference_losses": reference, "reference_grad_norms": reference_grads,
                        "layouts": results})
 teardown()

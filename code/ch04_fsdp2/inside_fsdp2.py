@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import print0, print_ranks, seed_everything, setup, teardown, write_json
 from distkit.comm import CollectiveLog
+from distkit.dist import grad_check, grad_norms
 from distkit.memory import by_category, communication_bytes, storage_bytes
 from distkit.toy import counting_data, tiny_llama
 
@@ -122,7 +123,7 @@ def wrap(config: str, model):
     return model
 
 
-def train_step(config: str, model, optimizer, tokens, between=None) -> float:
+def train_step(config: str, model, optimizer, tokens, between=None, grads=None) -> float:
     if config.startswith("accumulate"):  # two half batches; reduce-scatter only after the second
         losses = []
         for i, half in enumerate(tokens.chunk(2)):
@@ -138,6 +139,8 @@ def train_step(config: str, model, optimizer, tokens, between=None) -> float:
     else:
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
+    if grads is not None and config != "offload":  # step 1's gradients (before clipping), for
+        grads.update(grad_norms(model))  # the parity check (offload's are on the host: skipped)
     if config == "clip":  # the norm over all shards: DTensor gathers the partial sums for us
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         norms.append(norm.full_tensor().item() if isinstance(norm, DTensor) else norm.item())
@@ -188,12 +191,13 @@ def run(config: str) -> dict:
         tracker.track_external(model, optimizer)
     else:
         tracker = FSDPMemTracker(model, optimizer)
-    losses, times = [], []  # times: of the steps after the two tracked ones
+    losses, times, grads = [], [], {}  # times: of the steps after the two tracked ones
     for step in range(args.steps):
         start = time.perf_counter()
         if step == 0:  # memory: the first step, where AdamW creates its state
             with tracker:  # (the tracker needs its per-module stats reset between forwards)
-                losses.append(train_step(config, model, optimizer, mine, tracker.reset_mod_stats))
+                losses.append(train_step(config, model, optimizer, mine, tracker.reset_mod_stats,
+                                         grads))
             peak = by_category(tracker.get_tracker_snapshot("peak"), env.device)
         elif step == 1:  # collectives: the second step (the first also initialises)
             with CollectiveLog(profile=config in PROFILED) as log:
@@ -211,25 +215,27 @@ def run(config: str) -> dict:
         dtypes["loss"] = str(loss.dtype).removeprefix("torch.")
     at_rest = held(model, optimizer)
     optimizer.zero_grad()
-    return {"losses": losses, "step_s": times, "held": at_rest, "peak": peak, "dtypes": dtypes,
+    return {"losses": losses, "grad_norms": grads or None, "step_s": times, "held": at_rest,
+            "peak": peak, "dtypes": dtypes,
             "collectives": [vars(c) for c in log.collectives], "ranges": log.ranges}
 
 
-def reference(clip: bool) -> tuple[list, list]:
+def reference(clip: bool) -> tuple[list, list, dict]:
     """One process, the whole global batch, plain AdamW: the losses every configuration must
-    give."""
+    give, the gradient norms, and step 1's gradient norm per parameter."""
     model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses, ref_norms = [], []
+    losses, ref_norms, grads = [], [], None
     for _ in range(args.steps):
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        grads = grads or grad_norms(model)
         if clip:
             ref_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, ref_norms
+    return losses, ref_norms, grads
 
 
 env = setup()
@@ -264,8 +270,8 @@ with output_dtypes(full) as autocast_dtypes, torch.no_grad(), \
         torch.autocast(env.device.type, dtype=torch.bfloat16):
     loss = full(input_ids=mine, labels=mine).loss
     autocast_dtypes["loss"] = str(loss.dtype).removeprefix("torch.")
-single, _ = reference(clip=False)
-single_clip, ref_norms = reference(clip=True)
+single, _, single_grads = reference(clip=False)
+single_clip, ref_norms, _ = reference(clip=True)
 results, norms = {}, []
 for config in configs:
     results[config] = run(config)
@@ -303,7 +309,8 @@ table = []  # its lines: printed here, or with --no-table by whoever reads the J
 table.append(f"{num_params:,} parameters; collectives in step 2: count and bytes; bytes each "
              f"rank holds at rest (the largest over ranks), and their sum / DDP's")
 table.append(f"{'config':13s}{'gathers':>8s}{'scatters':>9s}{'reduces':>8s}{'bytes':>11s}"
-             f"{'params':>10s}{'grads':>10s}{'AdamW':>11s}{'/ DDP':>7s}  losses match")
+             f"{'params':>10s}{'grads':>10s}{'AdamW':>11s}{'/ DDP':>7s}  losses, step-1 "
+             "gradients = 1 process")
 for config in configs:
     res = results[config]
     count = {op: sum(c["op"] == op for c in res["collectives"])
@@ -315,10 +322,15 @@ for config in configs:
     want = single_clip if config == "clip" else single
     tol = 1e-2 if config == "bf16" else 1e-5  # bf16 rounds every matmul's inputs
     res["losses_match"] = max(abs(a - b) for a, b in zip(res["losses"], want)) < tol
+    # step 1's gradient norms (before clipping), of the largest; None: not compared (offload)
+    check = grad_check(res["grad_norms"], single_grads) if res["grad_norms"] else None
+    res["grads_match"] = check and check["gap"] < tol
+    res["grad_scale"] = check and check["scale"]
     vs = f"{res['vs_ddp']:7.3f}" if ddp else f"{'':7s}"
     table.append(f"{config:13s}{count['all_gather']:8d}{count['reduce_scatter']:9d}"
                  f"{count['all_reduce']:8d}{moved:11,d}{h['params']:10,d}{h['grads']:10,d}"
-                 f"{h['optimizer']:11,d}{vs}  < {tol:g}: {res['losses_match']}")
+                 f"{h['optimizer']:11,d}{vs}  < {tol:g}: {res['losses_match']}, "
+                 f"{res['grads_match']}")
 if "ddp" in configs and "fsdp2" in configs:
     ratio = results["fsdp2"]["vs_ddp"]
     table.append(f"fsdp2 holds 1/N = 1/{env.world_size} of DDP's bytes within 2%: "
@@ -340,6 +352,7 @@ write_json(args.json, {"world_size": env.world_size, "num_params": num_params,
                        "padded_root_params": psi_root, "layers": args.layers,
                        "configs": {c: CONFIGS[c] for c in configs},
                        "single_losses": single, "single_clip_losses": single_clip,
+                       "single_grad_norms": single_grads,
                        "ref_norms": ref_norms, "held_every_rank": every_rank,
                        "autocast_dtypes": autocast_dtypes,
                        "comm_formula_zero3": communication_bytes(num_params, env.world_size, 3, 4),

@@ -48,6 +48,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit.dist import grad_check, grad_norms
 from distkit.memory import by_category
 from distkit.toy import counting_data, tiny_llama
 
@@ -111,9 +112,10 @@ def optimizer_for(model):
                              weight_decay=0.01)
 
 
-def train(model, steps: int) -> tuple[list[float], dict]:
+def train(model, steps: int) -> tuple[list[float], dict, dict]:
     """AdamW steps on this rank's sequences; the first inside FSDPMemTracker. Returns the global
-    batch's losses and this rank's bytes by category after the first optimizer.step()."""
+    batch's losses, this rank's bytes by category after the first optimizer.step(), and step 1's
+    gradient norms (the trainable parameters': the frozen ones have none)."""
     optimizer = optimizer_for(model)
     tracker = FSDPMemTracker(model, optimizer)
     losses = []
@@ -121,6 +123,8 @@ def train(model, steps: int) -> tuple[list[float], dict]:
         with tracker if step == 0 else contextlib.nullcontext():
             loss = model(input_ids=mine, labels=mine).loss
             loss.backward()  # reduce-scatters the gradients of the trainable parameters only
+            if step == 0:  # (scalars only: nothing the tracker's categories count)
+                grads = grad_norms(model)
             optimizer.step()
             if step == 0:
                 at_rest = by_category(tracker.get_tracker_snapshot("current"), env.device)
@@ -128,7 +132,7 @@ def train(model, steps: int) -> tuple[list[float], dict]:
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # the global batch's loss: every rank's share, averaged
         losses.append(mean.item() / env.world_size)
-    return losses, {name: at_rest[key] for name, key in CATEGORIES.items()}
+    return losses, {name: at_rest[key] for name, key in CATEGORIES.items()}, grads
 
 
 def allocated(nbytes: int, cuda: bool) -> int:
@@ -160,18 +164,20 @@ def expected_bytes(model, cuda: bool) -> dict:
     return {"grads": grads, "optimizer": states + (0 if cuda else 4 * len(trainable))}
 
 
-def reference() -> list[float]:
-    """One process, the whole global batch, the same LoRA model and AdamW, no FSDP."""
+def reference() -> tuple[list[float], dict]:
+    """One process, the whole global batch, the same LoRA model and AdamW, no FSDP: its losses
+    and step 1's gradient norms."""
     model = build(lora=True)
     optimizer = optimizer_for(model)
-    losses = []
+    losses, grads = [], None
     for _ in range(args.steps):
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        grads = grads or grad_norms(model)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, grads
 
 
 env = setup()
@@ -182,7 +188,7 @@ mine = tokens[env.rank * BATCH_SIZE:(env.rank + 1) * BATCH_SIZE]
 
 # --- full fine-tuning under FSDP2: one tracked step, the baseline for the bytes ---------------
 full = shard(build(lora=False))
-_, full_bytes = train(full, steps=1)
+_, full_bytes, _ = train(full, steps=1)
 cuda = env.device.type == "cuda"
 full_expected = expected_bytes(full, cuda)
 n_tensors = {"full": len(list(full.parameters()))}  # AdamW keeps a step counter for each
@@ -198,7 +204,7 @@ formula = sum(args.rank * (i + o) for _, i, o in adapted)  # A: r x in, B: out x
 model = shard(model)
 # this rank's shard of every parameter, before training: to check which ones training changed
 before = {name: p.to_local().clone() for name, p in model.named_parameters()}
-losses, lora_bytes = train(model, args.steps)
+losses, lora_bytes, lora_grads = train(model, args.steps)
 frozen_same = all(torch.equal(before[n], p.to_local())
                   for n, p in model.named_parameters() if not p.requires_grad)
 adapters_moved = all(not torch.equal(before[n], p.to_local())  # (a rank may hold an empty shard)
@@ -206,7 +212,7 @@ adapters_moved = all(not torch.equal(before[n], p.to_local())  # (a rank may hol
 lora_expected = expected_bytes(model, cuda)
 n_tensors["lora"] = sum(p.requires_grad for p in model.parameters())
 dims_divide = all(p.shape[0] % env.world_size == 0 for p in model.parameters())  # base and A, B
-single = reference()
+single, single_grads = reference()
 seconds = time.perf_counter() - start
 
 mine_result = {"lora": lora_bytes, "full": full_bytes, "lora_expected": lora_expected,
@@ -243,7 +249,9 @@ print0(f"trainable / base parameters: {fraction:.3f}; every first dimension divi
 print0(f"grads and AdamW state = those of the trainable shards only, on every rank: {as_expected}")
 print0(f"first loss {losses[0]:.3f}, last loss {losses[-1]:.3f}")
 diff = max(abs(a - b) for a, b in zip(losses, single))
-print0(f"max |loss - reference| < 1e-5: {diff < 1e-5}  (one process, whole batch, same LoRA)")
+grads_match = grad_check(lora_grads, single_grads)["gap"] < 1e-5  # of the largest
+print0(f"max |loss - reference| < 1e-5: {diff < 1e-5}, step-1 gradient norms too: {grads_match}"
+       "  (one process, whole batch, same LoRA)")
 print0(f"frozen base shards bit-exact after training, on every rank: "
        f"{all(r['frozen_unchanged'] for r in every_rank)}")
 print0(f"every adapter shard changed, on every rank: "
@@ -254,6 +262,7 @@ write_json(args.json, {"world_size": env.world_size, "lora_rank": args.rank, "st
                        "base_params": base_params, "formula": formula,
                        "dims_divide": dims_divide, "fraction": fraction,
                        "trainable_tensors": n_tensors, "losses": losses,
-                       "single_losses": single, "max_loss_diff": diff, "ranks": every_rank,
+                       "single_losses": single, "max_loss_diff": diff, "grads_match": grads_match,
+                       "ranks": every_rank,
                        "seconds": seconds})
 teardown()

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import fully_shard
 
 from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit.dist import grad_check, grad_norms
 from distkit.toy import counting_data, tiny_llama
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -44,12 +45,15 @@ if int(os.environ.get("WORLD_SIZE", 1)) * args.batch_size > 256:
     parser.error("need WORLD_SIZE x --batch-size <= 256 sequences")
 
 
-def train(model, batch, steps: int) -> list[float]:
+def train(model, batch, steps: int) -> tuple[list[float], dict]:
+    """AdamW steps; the losses, and step 1's gradient norm per parameter (for the parity
+    check: AdamW's losses would hide a constant factor on the gradients)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    losses = []
+    losses, grads = [], None
     for _ in range(steps):
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
+        grads = grads or grad_norms(model)
         optimizer.step()
         optimizer.zero_grad()
         loss = loss.detach().clone()
@@ -57,7 +61,7 @@ def train(model, batch, steps: int) -> list[float]:
             dist.all_reduce(loss)
             loss /= env.world_size
         losses.append(loss.item())
-    return losses
+    return losses, grads
 
 
 def sharded_from_rank0(fix_buffers: bool, nan_fill: bool = False):
@@ -99,7 +103,7 @@ if env.rank == 0:  # the one place the weights come from
     box = [train(reference, tokens, args.steps), full.model.rotary_emb.inv_freq.cpu()]
     del reference
 dist.broadcast_object_list(box, src=0)
-single, inv_freq = box[0], box[1].to(env.device)
+(single, single_grads), inv_freq = box[0], box[1].to(env.device)
 
 # "forgotten": plain to_empty, the buffer is whatever the allocator hands out. That garbage can
 # even be right by chance (on a GPU the caching allocator may return the block of the reference
@@ -112,12 +116,13 @@ for name, fix, nan_fill in [("forgotten", False, False), ("forgotten_nan", False
                             ("fixed", True, True)]:
     model = sharded_from_rank0(fix, nan_fill)
     got = model.model.rotary_emb.inv_freq
+    losses, grads = train(model, mine, args.steps)
     results[name] = {"inv_freq_ok": bool(torch.equal(got, inv_freq)),
-                     "inv_freq_nan": bool(got.isnan().all()),
-                     "losses": train(model, mine, args.steps)}
-    # nan < 1e-5 is False: NaN losses do not match
-    match = all(abs(a - b) < 1e-5 for a, b in zip(results[name]["losses"], single))
+                     "inv_freq_nan": bool(got.isnan().all()), "losses": losses}
+    # nan < 1e-5 is False: NaN losses do not match (and NaN gradients have an infinite gap)
+    match = all(abs(a - b) < 1e-5 for a, b in zip(losses, single))
     results[name]["losses_match"] = match
+    results[name]["grads_match"] = grad_check(grads, single_grads)["gap"] < 1e-5
     ok = [None] * env.world_size
     dist.all_gather_object(ok, [results[name]["inv_freq_ok"], results[name]["inv_freq_nan"]])
     results[name]["inv_freq_ok_all"] = all(o[0] for o in ok)
@@ -128,7 +133,8 @@ for name, fix, nan_fill in [("forgotten", False, False), ("forgotten_nan", False
     label = name.replace("_nan", "") + " (NaN-filled)"
     print0(f"{label:22s}: rotary inv_freq right on every rank: "
            f"{results[name]['inv_freq_ok_all']}{nan};  "
-           f"losses = one process's (< 1e-5) on {env.world_size} rank(s): {match}")
+           f"losses = one process's (< 1e-5) on {env.world_size} rank(s): {match}, "
+           f"step-1 gradients too: {results[name]['grads_match']}")
 # Initialising on the shards instead (an init function after to_empty): with the same seed on
 # every rank, do the shards get different numbers? On CUDA yes: DTensor's OffsetBasedRNGTracker
 # gives each shard its own offset in one seeded stream. A CPU mesh has no such tracker

@@ -7,8 +7,8 @@ model, its gradients and AdamW's state on every rank; FSDP2 keeps 1/N of each: e
 becomes a DTensor sharded along its first dimension. Each decoder layer is one unit whose
 parameters are all-gathered just before its forward and again before its backward, and freed
 after each; its gradients are reduce-scattered, so each rank keeps, and updates, its shard.
-With N processes and --batch-size b per process the losses match ch01_ddp/train_single.py
---batch-size N*b up to float rounding.
+With N processes and --batch-size b per process the losses and step 1's gradients match
+ch01_ddp/train_single.py --batch-size N*b up to float rounding.
 """
 import argparse
 import os
@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit.dist import grad_norms
 from distkit.toy import counting_data, tiny_llama
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -28,7 +29,7 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--json", help="write per-step losses here")
+parser.add_argument("--json", help="write per-step losses (and step 1's gradient norms) here")
 args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))  # NEW: every rank needs at least one batch
 if args.batch_size < 1 or args.samples < world * args.batch_size:
@@ -51,13 +52,15 @@ data = counting_data(args.samples)
 sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
 loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
-losses = []
+losses, grads = [], None
 for epoch in range(args.epochs):
     sampler.set_epoch(epoch)  # NEW: reseeds the shuffle; without it every epoch repeats
     for (tokens,) in loader:
         tokens = tokens.to(env.device)
         loss = model(input_ids=tokens, labels=tokens).loss  # NEW (invisible): all-gathers
         loss.backward()  # NEW (invisible): all-gathers again, reduce-scatters the gradients
+        if not losses:  # step 1's gradients, for the parity check: a constant factor on them
+            grads = grad_norms(model)  # (a missing 1/N) hides in the losses under AdamW
         optimizer.step()
         optimizer.zero_grad()
         # NEW: each rank saw only its own sequences; average the loss for the log
@@ -70,6 +73,6 @@ for epoch in range(args.epochs):
 weight = model.model.embed_tokens.weight
 print0(f"embed_tokens.weight: {type(weight).__name__}, global shape {tuple(weight.shape)}, "
        f"this rank stores {tuple(weight.to_local().shape)}, placements {weight.placements}")
-write_json(args.json, {"losses": losses})
+write_json(args.json, {"losses": losses, "grad_norms": grads})
 # (no --save: saving a sharded model, each rank its shards, is chapter 05's Distributed Checkpoint)
 teardown()

@@ -152,17 +152,21 @@ def grad_norms(model, gather: bool = False) -> dict[str, float]:
     Why gradients and not only losses: AdamW's update m / (sqrt(v) + eps) ignores a constant
     factor on the gradient, so a missing 1/N, 1/K or 1/m leaves every loss within 1e-4 of one
     process's; the gradients show it at once. Names are the plain model's (DDP's "module." and
-    FSDP1's wrapper prefixes removed). A DTensor gradient (FSDP2, tensor parallelism) is
-    gathered first, a collective: every rank calls this. `gather=True` merges every rank's
+    FSDP1's wrapper prefixes removed). A DTensor gradient (FSDP2, tensor parallelism) has its
+    norm reduced over the ranks, a collective: every rank calls this (no gradient is gathered
+    whole, so a memory tracker around it sees only scalars). `gather=True` merges every rank's
     parameters (a collective too), for a pipeline stage that holds only its own layers."""
     norms = {}
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        if hasattr(p.grad, "full_tensor"):  # a DTensor: each rank's part, then one reduction
+            norm = torch.linalg.vector_norm(p.grad.detach()).full_tensor()  # (as clipping does)
+        else:
+            norm = p.grad.detach().double().norm()
         for prefix in _WRAPPER_PREFIXES:
             name = name.replace(prefix, "")
-        norms[name] = grad.detach().double().norm().item()
+        norms[name] = norm.item()
     if gather and dist.is_initialized():
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, norms)

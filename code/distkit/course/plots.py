@@ -240,19 +240,24 @@ def plot_fsdp_step(ranges: list, ax=None, title: str = ""):
     """Chapter 04: one FSDP2 training step on rank 0, one row per unit, from the FSDP ranges
     that torch's profiler recorded (inside_fsdp2.py --json: results[config]["ranges"]): the
     all-gathers (with their copy-out), the unit's forward and backward compute between FSDP's
-    hooks, and the gradients' reduce-scatter. Times are CPU/gloo: only the order is portable."""
+    hooks, and the gradients' reduce-scatter. Each all-gather shows as two bars: the collective
+    (FSDP::all_gather) and, when the unit needs its parameters, the copy-out that unpacks the
+    gathered buffer into them (FSDP::all_gather_copy_out, a copy, no communication), drawn in a
+    lighter colour. Times are CPU/gloo: only the order is portable."""
     ax = ax or plt.subplots(figsize=(11, 3))[1]
     units = list(dict.fromkeys(u for name, u, _, _ in ranges
                                if not name.endswith("_pre_forward") and "prefetch" not in name
                                and name != "root_post_backward_callback"))
     row = {u: i for i, u in enumerate(units)}
-    colors = {"all-gather": "#f2a900", "forward": "#4c72b0", "backward": "#55a868",
-              "reduce-scatter": "#c44e52"}
+    colors = {"all-gather": "#f2a900", "all-gather copy-out (no communication)": "#fbe3a0",
+              "forward": "#4c72b0", "backward": "#55a868", "reduce-scatter": "#c44e52"}
     spans = []  # (unit, kind, start, end)
     opened = {}
     for name, unit, start, end in ranges:
-        if name in ("all_gather", "all_gather_copy_out"):
+        if name == "all_gather":
             spans.append((unit, "all-gather", start, end))
+        elif name == "all_gather_copy_out":
+            spans.append((unit, "all-gather copy-out (no communication)", start, end))
         elif name == "post_backward_reduce":
             spans.append((unit, "reduce-scatter", start, end))
         if name in ("pre_forward", "pre_backward"):  # compute runs from the hook's end ...
