@@ -7,6 +7,8 @@ import pytest
 
 exercise = pytest.importorskip("distkit.course.exercise")  # the checker (make exercise)
 
+AMAX = "amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)"
+SCALE = "scale = (top / amax.double().clamp(min=EPS)).float()"
 WRONG = {
     # 10.1: the scale inverted, amax of x instead of |x|, no floor under amax, no clamp
     "inverted": ("10.1", ("scale = (top / amax.double().clamp(min=EPS)).float()",
@@ -18,6 +20,18 @@ WRONG = {
                         "scale = (top / amax.double()).float()")),
     "no clamp": ("10.1", ("x8 = (x * scale).clamp(-top, top).to(dtype)",
                           "x8 = (x * scale).to(dtype)")),
+    # 10.1, each passing every check before the e5m2 scale, the per-column and zero-row cases
+    # (planted against the previous checker: all PASS): e4m3's 448 written into the scale
+    # (e5m2's scale off by exactly 2^7, its round trip error unchanged); the amax over dim 1
+    # whatever dim is; the EPS floor on the per-tensor amax only; keepdim on the whole tensor too
+    "448 in the scale": ("10.1", (SCALE, "scale = (448.0 / amax.double().clamp(min=EPS))"
+                                         ".float()")),
+    "dim 1 fixed": ("10.1", (AMAX, "amax = x.abs().amax() if dim is None else "
+                                   "x.abs().amax(dim=1, keepdim=True)")),
+    "eps per tensor only": ("10.1", [(AMAX, "amax = x.abs().amax().clamp(min=EPS) if dim is "
+                                            "None else x.abs().amax(dim=dim, keepdim=True)"),
+                                     (SCALE, "scale = (top / amax.double()).float()")]),
+    "keepdim always": ("10.1", (AMAX, "amax = x.abs().amax(dim=dim, keepdim=True)")),
     # 10.2: actions that never wait for their inputs; each rank's own end as its step; B = F
     "no waiting": ("10.2", ("start = max([free[r], *ready])", "start = free[r]")),
     "own end": ("10.2", ("return [step - sum(end - start for start, end in rank) for rank in "
@@ -28,7 +42,11 @@ WRONG = {
                            'COSTS = {"F": 1, "B": 1, "I": 1, "W": 1}')),
 }
 EXPECT = {"inverted": "inverted (amax / 448)?", "no abs": "is amax taken of |x|",
-          "no eps": "floor amax at EPS", "no clamp": "clamp to +-fp8_max",
+          "no eps": "amax at EPS", "no clamp": "clamp to +-fp8_max",
+          "448 in the scale": "448 is e4m3's largest value; take the format's own",
+          "dim 1 fixed": "not over a fixed dimension?",
+          "eps per tensor only": "an infinite scale: floor every slice's amax at EPS, per row",
+          "keepdim always": "per tensor: a scale of shape [1, 1], not a 0-dim tensor",
           "no waiting": "does an action wait for its inputs",
           "own end": "the step ends for every rank when the last one ends",
           "B costs 1": "the costs?"}

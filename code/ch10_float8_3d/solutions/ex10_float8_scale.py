@@ -69,12 +69,27 @@ outlier = x.clone()
 outlier[0, 7] = -1e5  # one large negative value, in row 0
 rest = slice(1, None)  # the rows without it
 x8, scale = to_float8(outlier, E4M3)
-out["outlier per tensor"] = {"scale": scale.item(), "error rest": error(x8, scale, outlier, rest),
+out["outlier per tensor"] = {"scale": scale.item(), "scale shape": list(scale.shape),
+                             "error rest": error(x8, scale, outlier, rest),
                              "zeros rest": (x8[rest].float() == 0).float().mean().item()}
 x8, scale = to_float8(outlier, E4M3, dim=1)
 out["outlier per row"] = {"scale shape": list(scale.shape), "scale row 0": scale[0].item(),
                           "error rest": error(x8, scale, outlier, rest),
                           "zeros rest": (x8[rest].float() == 0).float().mean().item()}
+# one scale per column (dim 0), e5m2: another dim, another format than the cases above
+x8, scale = to_float8(outlier, E5M2, dim=0)
+out["outlier per column e5m2"] = {
+    "scale shape": list(scale.shape), "scale column 0": scale.reshape(-1)[0].item(),
+    "error rest": error(x8, scale, outlier, rest)}
+# a row of zeros among the others, one scale per row: that row's scale finite, its zeros back
+zero_row = x.clone()
+zero_row[3] = 0
+x8, scale = to_float8(zero_row, E4M3, dim=1)
+back = x8.float() / scale
+out["zero row per row"] = {"scales finite": bool(torch.isfinite(scale).all()),
+                           "back finite": bool(torch.isfinite(back).all()),
+                           "row back all zero": bool((back[3] == 0).all()),
+                           "error": error(x8, scale, zero_row)}
 x8, scale = to_float8(torch.zeros(4, 16), E4M3)
 back = x8.float() / scale
 out["zeros"] = {"scale finite": bool(torch.isfinite(scale).all()),
@@ -84,7 +99,7 @@ x8, _ = to_float8(x * 1e6, E5M2, scale=torch.tensor(1.0))
 out["stale scale e5m2"] = {"finite": bool(torch.isfinite(x8.float()).all()),
                            "largest": x8.float().abs().max().item()}
 for case, values in out.items():
-    print(f"{case:20s} " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+    print(f"{case:23s} " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in values.items()))
 if args.json:
     with open(args.json, "w") as f:
