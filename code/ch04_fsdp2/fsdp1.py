@@ -154,6 +154,10 @@ def train(strategy: str, **options) -> tuple[FSDP, dict]:
             loss.backward()
             if step == 0:
                 grads = storage_bytes(p.grad for p in model.parameters())
+                # step 1's gradient, squared norm of this rank's flat pieces (padding adds 0):
+                # a local sum, no collective inside the counted step
+                grad_sq = sum(p.grad.double().pow(2).sum().item()
+                              for p in model.parameters() if p.grad is not None)
             optimizer.step()
             if step == 0:
                 at_rest = by_category(tracker.get_tracker_snapshot("current"), env.device)
@@ -162,10 +166,18 @@ def train(strategy: str, **options) -> tuple[FSDP, dict]:
         losses.append(global_loss(loss))
     with FSDP.summon_full_params(model):  # every rank's whole model: are the replicas equal?
         in_sync = same_on_all_ranks(model.parameters())
+    # The whole gradient's norm: every rank's pieces, summed, counted once per replica (NO_SHARD:
+    # N replicas; HYBRID_SHARD RxS: R). AdamW's losses would hide a constant factor on it.
+    total = torch.tensor(grad_sq, dtype=torch.float64, device=env.device)
+    dist.all_reduce(total)
+    name, _, shape = strategy.partition(":")
+    replicas = env.world_size if name == "NO_SHARD" else int(shape.split("x")[0]) if shape else 1
+    grad_norm = (total / replicas).sqrt().item()
     measured = {"params at rest": at_rest["Parameter"],
                 "params at end of forward": end_of_forward["Parameter"],
                 "grads": grads, "optimizer": at_rest["Optstate"]}
-    return model, {"losses": losses, "measured": measured, "collectives": per_step,
+    return model, {"losses": losses, "grad_norm": grad_norm, "measured": measured,
+                   "collectives": per_step,
                    "in_sync": in_sync, "tracker_temp": at_rest["Temp"], "warnings": said}
 
 
@@ -198,26 +210,30 @@ def held(sd: dict) -> tuple[int, list[str], int]:
             sum(local(v).numel() * local(v).element_size() for v in sd.values()))
 
 
-def reference() -> list[float]:
-    """One process, the whole global batch, plain AdamW: the losses every strategy must give."""
+def reference() -> tuple[list[float], float]:
+    """One process, the whole global batch, plain AdamW: the losses every strategy must give,
+    and step 1's whole gradient norm."""
     model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
+    losses, grad_norm = [], None
     for _ in range(args.steps):
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        if grad_norm is None:
+            grad_norm = sum(p.grad.double().pow(2).sum() for p in model.parameters()).sqrt().item()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, grad_norm
 
 
 (tokens,) = counting_data(env.world_size * BATCH, vocab_size=VOCAB)[:]
 tokens = tokens.to(env.device)
 mine = tokens[env.rank * BATCH:(env.rank + 1) * BATCH]
-single = reference()
+single, single_grad_norm = reference()
 out = {"world_size": env.world_size, "vocab": VOCAB, "hidden": HIDDEN, "layers": LAYERS,
-       "batch_per_rank": BATCH, "steps": args.steps, "single_losses": single}
+       "batch_per_rank": BATCH, "steps": args.steps, "single_losses": single,
+       "single_grad_norm": single_grad_norm}
 
 # --- 0. FSDP1 on CPU ------------------------------------------------------------------------------
 # (printed the same on every machine; checked where it applies: no accelerator at all)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import logging
 import math
 import os
 import random
@@ -157,16 +158,24 @@ def grad_norms(model, gather: bool = False) -> dict[str, float]:
     whole, so a memory tracker around it sees only scalars). `gather=True` merges every rank's
     parameters (a collective too), for a pipeline stage that holds only its own layers."""
     norms = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        if hasattr(p.grad, "full_tensor"):  # a DTensor: each rank's part, then one reduction
-            norm = torch.linalg.vector_norm(p.grad.detach()).full_tensor()  # (as clipping does)
-        else:
-            norm = p.grad.detach().double().norm()
-        for prefix in _WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
-        norms[name] = norm.item()
+    # On a 2-D mesh DTensor logs that it reduces a norm in two steps: a performance hint, not
+    # meant for a one-off check (and a log line in every rank's output)
+    hint = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = hint.level
+    hint.setLevel(logging.ERROR)
+    try:
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            if hasattr(p.grad, "full_tensor"):  # a DTensor: each rank's part, one reduction
+                norm = torch.linalg.vector_norm(p.grad.detach()).full_tensor()  # (as clipping)
+            else:
+                norm = p.grad.detach().double().norm()
+            for prefix in _WRAPPER_PREFIXES:
+                name = name.replace(prefix, "")
+            norms[name] = norm.item()
+    finally:
+        hint.setLevel(level)
     if gather and dist.is_initialized():
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, norms)
