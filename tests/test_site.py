@@ -247,6 +247,24 @@ def test_tables_keep_their_rows_and_the_glossary_links_its_chapters(built):
         "<code>chapter 03</code>", lambda n: "x")  # never inside code
 
 
+def test_exercises_page_lists_each_exercise_by_its_id(built):
+    """The exercises page in the ids' order, each id the one `make exercise EX=...` takes for that
+    starter (the checker's registry), with the instructor's guide's minutes; chapter pages name
+    the ids too. (It listed files by name without ids: 00's first row was exercise 00.3.)"""
+    from distkit.course.exercise import load_registry
+    out, result, _ = built
+    page = (out / "exercises.html").read_text(encoding="utf-8")
+    rows = re.findall(r'<tr><td>([^<]*)</td><td><a href="[^"]*">\d\d</a></td><td><a href="[^"]*">'
+                      r'<code>([^<]+)</code></a></td><td>.*?</td><td>(\d*)</td>', page)
+    registry = {ex.id: Path(ex.starter).name for ex in load_registry().values()}
+    assert [(ex_id, name) for ex_id, name, _ in rows] == sorted(registry.items())
+    minutes = dict(re.findall(r"^\| (\d\d\.\d+) \|[^|]*\| (\d+) \|", (
+        ROOT / "docs" / "workshop.md").read_text(), re.M))
+    assert minutes and all(m == minutes.get(ex_id, "") for ex_id, _, m in rows), rows
+    ch00 = (out / "notebooks" / "00_torchrun_and_collectives.html").read_text(encoding="utf-8")
+    assert re.search(r"Exercises:\s*00\.1 <a [^>]*><code>ex00_naive_allreduce\.py</code>", ch00)
+
+
 def test_the_address_to_clone_from(tmp_path):
     """CITATION.cff's repository-code, else the GitHub Actions run that builds the published site,
     else the clone's origin; as an https address without credentials; "" when none says."""
@@ -390,7 +408,9 @@ PAGE_CHECKS = r"""(() => {
     outputs_cut: [...document.querySelectorAll(".output_area pre")]
                  .filter(p => p.scrollWidth > p.clientWidth + 1
                               && ![...p.querySelectorAll(".row")]  // a table's row scrolls
-                                  .some(r => r.getBoundingClientRect().width > p.clientWidth))
+                                  .some(r => r.getBoundingClientRect().width > p.clientWidth
+                                        - parseFloat(getComputedStyle(p).paddingLeft)
+                                        - parseFloat(getComputedStyle(p).paddingRight) - 1))
                  .map(p => p.textContent.slice(0, 60)),
     raw_dollars: prose.textContent.includes("$$"),
     images: document.images.length,

@@ -290,7 +290,9 @@ class Chapter:
     path: str  # notebooks/NN_topic.ipynb
     num: str
     title: str
-    minutes: int  # the core text's reading time (distkit.course.chapters)
+    minutes: int  # the reading time (distkit.course.chapters): text_minutes + code_minutes
+    text_minutes: int = 0  # the core text's
+    code_minutes: int = 0  # the code cells' and outputs' the core shows
     promise: str = ""  # Markdown, "" when the first cell has none
     outcomes: list = field(default_factory=list)
     prerequisites: str = ""
@@ -298,6 +300,7 @@ class Chapter:
     diagram: str = ""  # repository path of its first picture ("" if none)
     diagram_alt: str = ""
     exercises: list = field(default_factory=list)  # (starter, solution) repository paths
+    exercise_ids: list = field(default_factory=list)  # each one's id ("03.1"), "" if unknown
 
     @property
     def plain_title(self) -> str:  # for <title> and links: without Markdown's marks
@@ -322,7 +325,7 @@ def chapters(root: Path) -> list:
     """Every notebook, with what its first cell says (distkit.course.chapters), its diagram
     (first picture) and its exercises. A first cell without the labelled parts gives a chapter
     with its title (or file name) only."""
-    out = []
+    out, ids = [], exercise_ids(root)
     for nb_path in sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")):
         meta = chapter_meta.read(nb_path)
         nb = nbformat.read(nb_path, as_version=4)
@@ -330,20 +333,47 @@ def chapters(root: Path) -> list:
         picture = next((m for s in md for m in re.finditer(r"!\[([^\]]*)\]\(([^)\s]+)\)", s)), None)
         num = nb_path.name[:2]
         chapter = Chapter(
-            str(nb_path.relative_to(root)), num, meta.title, meta.minutes, meta.promise,
-            list(meta.outcomes), meta.prerequisites,
+            str(nb_path.relative_to(root)), num, meta.title, meta.minutes,
+            getattr(meta, "text_minutes", meta.minutes), getattr(meta, "code_minutes", 0),
+            meta.promise, list(meta.outcomes), meta.prerequisites,
             shown=[k for k in LABELS if getattr(meta, k)],
             diagram=os.path.normpath(os.path.join("notebooks", picture.group(2))) if picture
             else "",
             diagram_alt=picture.group(1) if picture else "")
+        found = []
         for code_dir in sorted((root / "code").glob(f"ch{num}_*")):
             for starter in sorted((code_dir / "exercises").glob("*.py")):
                 solution = code_dir / "solutions" / starter.name
-                chapter.exercises.append((str(starter.relative_to(root)),
-                                          str(solution.relative_to(root)) if solution.exists()
-                                          else ""))
+                found.append((ids.get(str(starter.relative_to(root / "code")), ""),
+                              str(starter.relative_to(root)),
+                              str(solution.relative_to(root)) if solution.exists() else ""))
+        # in the order of their ids (make exercise EX=NN.k), those without one last
+        for ex_id, starter, solution in sorted(found, key=lambda f: (not f[0], f[0], f[1])):
+            chapter.exercises.append((starter, solution))
+            chapter.exercise_ids.append(ex_id)
         out.append(chapter)
     return out
+
+
+EXERCISE = re.compile(r"""@exercise\(\s*["'](\d\d\.\d+)["']\s*,\s*["']([^"']+)["']""")
+
+
+def exercise_ids(root: Path) -> dict:
+    """Each registered exercise's id by its starter (relative to code/), read from the checker's
+    registrations (`@exercise("03.1", "ch03_zero/exercises/...")` in distkit/course/checks/)
+    without importing them (they import torch)."""
+    return {path: ex_id for f in sorted((root / "code" / "distkit" / "course" / "checks")
+                                        .glob("ch*.py"))
+            for ex_id, path in EXERCISE.findall(f.read_text(encoding="utf-8"))}
+
+
+def workshop_table(root: Path) -> dict:
+    """The instructor's guide's exercise table (docs/workshop.md: | EX | file | minutes | the
+    point |): {id: (minutes, point)}; empty without the guide."""
+    guide = Path(root) / "docs" / "workshop.md"
+    rows = re.findall(r"^\|\s*(\d\d\.\d+)\s*\|[^|\n]*\|\s*(\d+)\s*\|\s*(.+?)\s*\|\s*$",
+                      guide.read_text(encoding="utf-8") if guide.is_file() else "", re.M)
+    return {ex_id: (int(minutes), point) for ex_id, minutes, point in rows}
 
 
 def without_header(first_cell: str, chapter: Chapter) -> str:
@@ -429,7 +459,8 @@ class Site:
         docs["readme"] = (self.root / "README.md").is_file()
         body = self.templates["home"].render(
             course=COURSE, rows=rows, minutes=sum(c.minutes for c in self.chapters),
-            rate=chapter_meta.RATE, docs=docs, repo_url=self.repo_url,
+            rate=chapter_meta.RATE, code_rate=getattr(chapter_meta, "CODE_RATE", 0), docs=docs,
+            repo_url=self.repo_url,
             repo_dir=self.repo_url.rstrip("/").rsplit("/", 1)[-1])
         self.write("index.html", COURSE, body)
 
@@ -447,7 +478,7 @@ class Site:
             outcomes=[self.inline(o, chapter.path) for o in chapter.outcomes],
             prerequisites=(self.inline(chapter.prerequisites, chapter.path)
                            if chapter.prerequisites else ""),
-            rate=chapter_meta.RATE,
+            rate=chapter_meta.RATE, code_rate=getattr(chapter_meta, "CODE_RATE", 0),
             diagram=os.path.relpath(chapter.diagram, here) if chapter.diagram else "",
             exercises=[[os.path.relpath(p, here) if p else "" for p in pair]
                        for pair in chapter.exercises])
@@ -482,15 +513,23 @@ class Site:
         self.write(repo_path, repo_path, body)
 
     def exercises_page(self) -> None:
-        rows = "".join(
-            f'<tr><td><a href="{c.path}">{c.num}</a></td><td><a href="{s}"><code>'
-            f'{os.path.basename(s)}</code></a></td><td>'
-            + (f'<a href="{sol}">solution</a>' if sol else "") + "</td></tr>"
-            for c in self.chapters for s, sol in c.exercises)
+        """Every exercise in id order (the EX of `make exercise EX=NN.k`), with the instructor's
+        guide's minutes and point where it has them."""
+        guide = workshop_table(self.root)
+        rows = []
+        for c in self.chapters:
+            for ex_id, (s, sol) in zip(c.exercise_ids, c.exercises):
+                minutes, point = guide.get(ex_id, ("", ""))
+                rows.append(
+                    f'<tr><td>{ex_id or "-"}</td><td><a href="{c.path}">{c.num}</a></td>'
+                    f'<td><a href="{s}"><code>{os.path.basename(s)}</code></a></td><td>'
+                    + (f'<a href="{sol}">solution</a>' if sol else "") + f"</td><td>{minutes}</td>"
+                    f"<td>{self.inline(point, 'docs/workshop.md') if point else ''}</td></tr>")
         body = ("<h1>Exercises</h1><p>Each starter has TODOs; its solution is the tested answer."
-                " Check yours with <code>make exercise EX=NN.k</code>.</p>"
-                "<table><tr><th>chapter</th><th>starter</th><th>solution</th></tr>"
-                f"{rows}</table>")
+                " Check yours with <code>make exercise EX=NN.k</code>, NN.k from the first column"
+                " (minutes: the instructor's estimate, check included).</p>"
+                "<table><tr><th>EX</th><th>chapter</th><th>starter</th><th>solution</th>"
+                f"<th>minutes</th><th>the point</th></tr>{''.join(rows)}</table>")
         self.write("exercises.html", "Exercises", body)
 
     def build(self) -> None:
