@@ -56,6 +56,44 @@ def at_3(tmp_path_factory):
     }, tmp_path_factory.mktemp("ch01_ex3"), nprocs="largest")
 
 
+@pytest.fixture(scope="module")
+def more_wrong(tmp_path_factory):
+    """make test-nproc: two wrong answers whose failure was slow or left to chance, at 2 ranks
+    (each stops at its first launch)."""
+    return check_at_once({
+        # every rank thinks it is the root: all send, none receives (gloo's timeout, at the
+        # checker's 20 s)
+        "manual_src_rank": ("01.1", ("dist.broadcast(p.detach(), src=0)",
+                                     "dist.broadcast(p.detach(), src=env.rank)")),
+        # per-param: the gradients divided while their async all_reduces still run (a race
+        # that once failed only on a loaded machine; the last rank's late backward on step 1
+        # makes it certain)
+        "overlap_no_wait": ("01.2", ("work.wait()\np.grad /= N", "p.grad /= N")),
+    }, tmp_path_factory.mktemp("ch01_more_wrong"))
+
+
+@pytest.mark.second_nproc
+def test_broadcast_from_every_rank_is_named_at_the_short_timeout(more_wrong):
+    """Every rank broadcasts as the root: once a 60 s gloo timeout with no hint (instructor's
+    review); now 20 s (COURSE_TIMEOUT_S from the exercise's entry) and a hint."""
+    ok, lines, runs = more_wrong["manual_src_rank"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [2 ranks] the launch failed: RuntimeError: ")
+    assert "Timed out waiting 20000ms" in lines[-1], lines[-1]
+    assert "/ch01_ddp/exercises/ex01_manual_ddp.py:" in lines[-1]
+    assert lines[-1].endswith("a broadcast with the same src on every rank (src=0: rank 0 "
+                              "sends, the others receive)"), lines[-1]
+
+
+@pytest.mark.second_nproc
+def test_dividing_before_the_wait_is_named(more_wrong):
+    ok, lines, _ = more_wrong["overlap_no_wait"]
+    assert not ok
+    assert lines[-1] == ("FAIL [2 ranks] per-param: finish() returned at step 1 while an "
+                         "all_reduce was still running: does it wait() on every Work before "
+                         "dividing? An async all_reduce writes the sum into the gradient later")
+
+
 def test_manual_ddp_passes(checks):
     """One all_reduce per parameter tensor (21), or one of them all flattened (--flat); the
     ranks start different (their own seeds) and are made identical by the broadcast."""

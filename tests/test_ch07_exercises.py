@@ -45,7 +45,20 @@ def at_3(tmp_path_factory):
         "mean_of_means": ("07.1", ("dist.all_reduce(total)",
                                    "total = sums.new_tensor([mean(sums), 1.0]); "
                                    "dist.all_reduce(total)")),
+        # every rank takes rank 0's sums: the same step everywhere, rank 0's shard loss
+        "rank0_shard": ("07.1", ("dist.all_reduce(total)", "dist.broadcast(total, src=0)")),
     }, tmp_path_factory.mktemp("ch07_ex3"), nprocs="largest")
+
+
+@pytest.mark.second_nproc
+def test_deciding_on_rank_0s_shard_is_named(at_3):
+    """Once named 'a mean of the ranks' means?' (instructor's review F5)."""
+    ok, lines, _ = at_3["rank0_shard"]
+    assert not ok, lines
+    assert lines[-1].startswith("FAIL [3 ranks] the validation loss differs from one process's")
+    assert lines[-1].endswith("every rank used rank 0's shard loss only: add up the loss sums "
+                              "and the counts over all ranks (one all_reduce of both), then "
+                              "divide"), lines[-1]
 
 
 @pytest.fixture(scope="module")

@@ -99,10 +99,10 @@ class Timeline:
     """
 
     def __init__(self):
-        self.t0, self.calls, self.pending = time.perf_counter(), [], []
+        self.start()
 
     def start(self):  # right before loss.backward()
-        self.t0, self.calls, self.pending = time.perf_counter(), [], []
+        self.t0, self.calls, self.pending, self.works = time.perf_counter(), [], [], []
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -111,6 +111,7 @@ class Timeline:
         """Record an all_reduce just launched: now, and when its Work completes."""
         call = {"launched": self.now(), "bytes": tensor.numel() * tensor.element_size()}
         self.calls.append(call)
+        self.works.append(work)
         # runs on the backend's thread as soon as the all_reduce is done
         self.pending.append(work.get_future().then(lambda _: call.update(done=self.now())))
 
@@ -268,11 +269,16 @@ for mode in modes:
         mine = batches[step, env.rank * b:(env.rank + 1) * b]
         dist.barrier()  # measurement: every rank starts the step together
         loss = model(input_ids=mine, labels=mine).loss
+        if step == 0 and env.rank == N - 1 and N > 1:
+            # the check of finish(): the last rank starts step 1's backward late, so no other
+            # rank's all_reduce can have completed when its finish() returns without waiting
+            time.sleep(0.5)
         timeline.start()
         loss.backward()  # per-param, bucketed: the hooks launch all_reduces in here
         backward_end = timeline.now()  # computation done; all_reduces may still be running
         sync.finish()  # wait for the all_reduces; gradients are now averaged
         finished = timeline.now()
+        waited = all(work.is_completed() for work in timeline.works)  # when finish() returned
         calls = timeline.collect()
         g, ref = grad_vector(params), single["grads"][step]
         grad_gaps.append((g - ref).abs().max().item())
@@ -284,6 +290,7 @@ for mode in modes:
         dist.all_reduce(loss)  # for the log: the mean over all ranks' sequences
         losses.append(loss.item() / N)
         steps.append({"backward_end": backward_end, "finished": finished, "calls": calls,
+                      "waited": waited,
                       "exposed": max(0.0, max(c["done"] for c in calls) - backward_end)})
     r = results[mode] = {
         "losses": losses, "steps": steps,

@@ -193,15 +193,18 @@ class Exercise:
     nprocs: tuple
     checks: object  # function(run) yielding (ok, passed line, failed line)
     timeout: float = 300
+    env: dict | None = None  # set for every launch (e.g. a shorter process-group timeout)
 
 
 REGISTRY: dict[str, Exercise] = {}
 
 
-def exercise(id: str, starter: str, nprocs=(2, 3), timeout: float = 300):
-    """Register the decorated function as exercise `id`'s checks (see EXERCISES convention)."""
+def exercise(id: str, starter: str, nprocs=(2, 3), timeout: float = 300, env=None):
+    """Register the decorated function as exercise `id`'s checks (see EXERCISES convention).
+    `env`: variables set for each of its launches and references, e.g. COURSE_TIMEOUT_S, so a
+    mismatched collective fails in seconds rather than at the default 60 s."""
     def register(fn):
-        REGISTRY[id] = Exercise(id, starter, tuple(nprocs), fn, timeout)
+        REGISTRY[id] = Exercise(id, starter, tuple(nprocs), fn, timeout, dict(env or {}))
         return fn
     return register
 
@@ -282,7 +285,8 @@ class Runner:
     def __init__(self, ex: Exercise, script: Path, nproc: int, tmp: Path, runs=None, env=None):
         self.ex, self.script, self.nproc, self.tmp = ex, script, nproc, tmp
         self.runs = runs if runs is not None else []
-        self.env = dict(env or {})  # set for every launch and reference (e.g. COURSE_DEVICE)
+        # set for every launch and reference: the exercise's own, then e.g. COURSE_DEVICE
+        self.env = {**(ex.env or {}), **(env or {})}
         self.count = 0
         self.stdout, self.returncode = "", None  # the last launch's output and exit status
 
@@ -398,8 +402,9 @@ def solution_as_starter(ex_id: str, tmp: Path, change: tuple | None = None) -> P
     """A copy of the exercise's chapter folder in tmp whose starter is its solution: as a learner
     who got it right would have it. `change` = (old, new) makes it a wrong answer the checker
     must catch: the one line holding `old` (or, of several, the one that is `old`) replaced by
-    `new` (None: the line removed; lines of `new` take that line's indent); a list of such pairs
-    makes several changes. Returns the starter's path in the copy."""
+    `new` (None: the line removed; lines of `new` take that line's indent); `old` of several
+    lines (with newlines) replaces those consecutive lines, each compared stripped; a list of
+    such pairs makes several changes. Returns the starter's path in the copy."""
     ex = load_registry()[ex_id]
     chapter = (CODE / ex.starter).parent.parent
     copy = Path(tmp) / chapter.name
@@ -408,14 +413,20 @@ def solution_as_starter(ex_id: str, tmp: Path, change: tuple | None = None) -> P
     lines = (CODE / ex.starter.replace("/exercises/", "/solutions/")).read_text().splitlines(
         keepends=True)
     for old, new in ([change] if change and isinstance(change[0], str) else change or []):
-        hits = [i for i, ln in enumerate(lines) if old in ln]
-        if len(hits) > 1:  # one of them may be the whole line
-            hits = [i for i in hits if lines[i].strip() == old.strip()]
+        olds = old.split("\n")  # several lines: those lines, one after the other
+        if len(olds) > 1:
+            hits = [i for i in range(len(lines) - len(olds) + 1)
+                    if all(lines[i + j].strip() == o.strip() for j, o in enumerate(olds))]
+        else:
+            hits = [i for i, ln in enumerate(lines) if old in ln]
+            if len(hits) > 1:  # one of them may be the whole line
+                hits = [i for i in hits if lines[i].strip() == old.strip()]
         if len(hits) != 1:
             raise ValueError(f"{old!r} is on {len(hits)} lines of the solution, not one")
         i = hits[0]
         indent = re.match(r"\s*", lines[i]).group(0)
-        lines[i] = "" if new is None else "".join(indent + ln + "\n" for ln in new.split("\n"))
+        lines[i:i + len(olds)] = ["" if new is None else
+                                  "".join(indent + ln + "\n" for ln in new.split("\n"))]
     starter.write_text("".join(lines))
     return starter
 

@@ -1,15 +1,24 @@
 """Exercise checks for chapter 01 (DDP); see distkit/course/checks/__init__.py."""
-from distkit.course.exercise import exercise
+from distkit.course.exercise import Fail, exercise
 from distkit.course.checks import gradient_matches, losses_match
 
 
-@exercise("01.1", "ch01_ddp/exercises/ex01_manual_ddp.py")
+# A rank left alone in a collective (a broadcast whose src differs between ranks, an all_reduce
+# one rank skips) fails at 20 s, not at the default 60: a step here takes well under a second.
+@exercise("01.1", "ch01_ddp/exercises/ex01_manual_ddp.py", env={"COURSE_TIMEOUT_S": "20"})
 def manual_ddp(run):
     b, samples = 8, 64
     single = None
     for flag, calls in (([], 21), (["--flat"], 1)):
         mode = "--flat" if flag else "per tensor"
-        res = run("--batch-size", b, "--samples", samples, *flag)
+        try:
+            res = run("--batch-size", b, "--samples", samples, *flag)
+        except Fail as fail:  # gloo's timeout: ranks in collectives that do not match
+            hint = (": the ranks waited in collectives that do not match: every rank must make "
+                    "the same calls in the same order, a broadcast with the same src on every "
+                    "rank (src=0: rank 0 sends, the others receive)"
+                    if "Timed out" in str(fail) else "")
+            raise Fail(f"{fail}{hint}") from None
         ident = res["identical"]
         yield (ident["start"] is False, f"{mode}: the ranks start from different weights",
                f"{mode}: the ranks start from identical weights: the check of the broadcast "
@@ -53,6 +62,14 @@ def overlap(run):
             during = all(c["launched"] < s["backward_end"] for s in r["steps"] for c in s["calls"])
             yield (during, f"{mode}: every all_reduce launched during backward",
                    f"{mode}: an all_reduce was launched after backward ended: no overlap")
+        # deterministic (the last rank starts step 1's backward 0.5 s late): a finish() that
+        # divides without waiting returns while the sums are still on their way
+        # (a file from before this record: no check)
+        early = [i for i, s_ in enumerate(r["steps"], 1) if not s_.get("waited", True)]
+        yield (not early, f"{mode}: every all_reduce complete when finish() returns",
+               f"{mode}: finish() returned at step {early[0]} while an all_reduce was still "
+               "running: does it wait() on every Work before dividing? An async all_reduce "
+               "writes the sum into the gradient later" if early else "")
         scale = r["grad_scale"]
         k = round(scale)
         why = (f": {scale:.2f}x one process's: are the summed gradients divided by N?"

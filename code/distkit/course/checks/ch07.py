@@ -22,7 +22,15 @@ def early_stop(run):
     scale = first["loss"] / first["one_process"]
     times = round(max(scale, 1 / scale)) if scale > 0 else 0
     why = "a mean of the ranks' means?"
-    if times > 1 and abs(max(scale, 1 / scale) - times) < 1e-3 * times:
+    # every rank decided on one rank's shard loss (a broadcast from it, or no all-reduce)
+    hist = res["histories"]
+    alone = [r for r in range(len(hist))
+             if all(abs(e["loss"] - hist[r][i]["shard_loss"]) < 1e-12 * max(1, abs(e["loss"]))
+                    for i, e in enumerate(hist[0]))]
+    if alone:
+        why = (f"every rank used rank {alone[0]}'s shard loss only: add up the loss sums and the "
+               "counts over all ranks (one all_reduce of both), then divide")
+    elif times > 1 and abs(max(scale, 1 / scale) - times) < 1e-3 * times:
         why = (f"{scale:.2f}x: " + ("is the all-reduced mean divided by N once more?" if scale < 1
                                     else "is the all-reduced sum divided by one rank's count?"))
     yield (gap < tol, f"the validation loss = one process's on the whole set (< {tol:g})",
