@@ -161,6 +161,32 @@ def test_one_run_per_folder(monkeypatch, capsys, tmp_path):
     assert "not started by torchrun" in str(status)  # past the lock
 
 
+def test_a_full_disk_is_one_line(tmp_path, monkeypatch):
+    """faults.md 4d: a full disk during a synchronous dcp.save surfaced as "unexpected pos 704
+    vs 598" (a zip writer's error, 6 tracebacks); async saves as an ENOSPC OSError. Both are
+    now one line naming the folder and the free space; another failure is not taken for it."""
+    import errno
+    import shutil as shutil_module
+    sys.path.insert(0, str(CODE / "ch06_capstone"))
+    import guard
+    from torch.distributed.checkpoint.api import CheckpointException
+    folder = tmp_path / "checkpoints" / "step_000009.tmp"
+    folder.mkdir(parents=True)
+    zip_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 "
+                             "vs 598")
+    enospc = CheckpointException("save failed", {1: (OSError(errno.ENOSPC, "No space left on "
+                                                               "device"), None)})
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(guard.shutil, "disk_usage", lambda p: usage._replace(free=3 << 20))
+    for error in (zip_error, enospc):
+        assert guard.save_failure(folder, error) == (
+            f"No space left on device: writing step_000009.tmp in {folder.parent} failed (3 MiB "
+            "free there); nothing was committed")
+    monkeypatch.setattr(guard.shutil, "disk_usage", lambda p: usage._replace(free=50 << 30))
+    assert guard.save_failure(folder, zip_error) is None  # space enough: another failure
+    assert guard.save_failure(folder, enospc) is not None  # ENOSPC said: believed
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"text": "unterminated\n', "corpus.jsonl:31: not a JSON record (Invalid control "
      "character, column 23)"),
@@ -597,15 +623,18 @@ def test_checkpoint_hashing_is_off_the_training_thread(chaos):
 
 
 def test_a_bad_update_at_a_save_step_never_becomes_the_newest_checkpoint(chaos):
-    """F13: the update of step 10 (a save step) is bad; step 11's NaN shows it. The save of
+    """F13: the update of step 10 (a save step) is bad: the finite-state check of step 10's
+    save sees it at step 11's all-reduce (as step 11's NaN would). The save of
     step 10 was not committed yet (that waits for a finite later step): it is discarded, the
     newest checkpoint stays step 5's, and --resume continues from there to the end."""
     _, second, third = chaos["runs"]
     assert "resumed from step_000005: step 5 of 15" in second.stdout
     assert second.returncode == 1 and "failed first (exit code 3)" in second.stdout + second.stderr
-    assert ("non-finite loss nan or gradient norm nan at step 11: stopped before the optimizer "
-            "step; step 10's save discarded (it may hold the update that led here); newest "
-            "checkpoint: step_000005") in second.stderr, second.stderr
+    # (the NaN weight is in step 10's save: the finite-state check, before its commit, sees it)
+    assert ("a non-finite value in step 10's weights or optimizer state (checked before its "
+            "commit) at step 11: stopped before the optimizer step; step 10's save discarded (it "
+            "may hold the update that led here); newest checkpoint: step_000005"
+            ) in second.stderr, second.stderr
     assert chaos["after_nan"] == ["step_000005"]
     assert chaos["failed"] == {"reason": "non-finite", "step": 11, "retry": False,
                                "newest_checkpoint": "step_000005"}
@@ -648,6 +677,8 @@ def test_a_resume_with_no_usable_checkpoint_changes_nothing(chaos, tmp_path):
         shard.write_bytes(shard.read_bytes()[:1000])
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
     args = [a if a != chaos["out"] else out for a in chaos["common"]]
+    i = args.index("--replicate")
+    args[i:i + 2] = []  # (HSDP needs 2 ranks; the check is the same on one)
     proc = run_launcher(1, SCRIPT, "--data", chaos["tmp"] / "corpus.jsonl", *args, "--resume",
                         timeout=600)
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from distkit.ckpt import step_of
+
 LOCK = ".lock"  # in --out: who runs there now (host, pid, start); flock'ed while it runs
 # what a run of train_llama.py writes into --out, and nothing else
 OURS = {"metrics.jsonl", "run.json", "checkpoints", "hf", "profile", "tensorboard",
@@ -66,6 +68,40 @@ def unwritable(out: Path) -> str | None:
     if not os.access(here, os.W_OK):
         return f"{here} is not writable (a read-only file system, or its permissions)"
     return None
+
+
+def previous_run(out: Path) -> str:
+    """What a run left in `out` ("" if nothing): its metrics file, its committed checkpoints."""
+    steps = sorted(s for p in (out / "checkpoints").glob("step_*")
+                   if p.is_dir() and (s := step_of(p.name)) is not None)
+    return ", ".join(what for what in [
+        "metrics.jsonl" if (out / "metrics.jsonl").exists() else "",
+        f"{len(steps)} checkpoint(s), the newest of step {steps[-1]}" if steps else ""] if what)
+
+
+def out_problem(out: Path, resume: bool, overwrite: bool) -> str | None:
+    """Why a run cannot start in `out` (the rest of a line that begins "--out OUT"), or None:
+    read-only; files no run of ours writes; --resume with --overwrite; a previous run there
+    without either."""
+    if problem := unwritable(out):
+        return f": {problem}"
+    if names := foreign(out):
+        return (f" holds files no run of train_llama.py writes ({', '.join(names[:5])}): choose "
+                "an empty or new folder")
+    if resume and overwrite:
+        return ": --resume continues OUT's run, --overwrite deletes it: choose one"
+    if not (resume or overwrite) and (previous := previous_run(out)):
+        return (f" holds a previous run ({previous}): --resume continues it, --overwrite starts "
+                "over and deletes it, or choose another --out")
+    return None
+
+
+def schedule_changes(out: Path) -> list:
+    """run.json's record of --change-schedule and --resume-from so far ([] if none)."""
+    try:
+        return json.loads((out / "run.json").read_text()).get("schedule_changes", [])
+    except (OSError, ValueError, AttributeError):
+        return []
 
 
 def lock(out: Path):

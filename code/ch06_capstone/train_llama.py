@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # corpus.py, nex
 import corpus  # noqa: E402
 import guard  # noqa: E402  (guard.py: the lock, the LR schedule, the loss-spike guard)
 from distkit import memory, print0, setup, speed, teardown  # noqa: E402
-from distkit.ckpt import AppState, CheckpointDir, Stager, own_files, step_of  # noqa: E402
+from distkit.ckpt import AppState, CheckpointDir, Stager, own_files  # noqa: E402
 from distkit.comm import CollectiveLog  # noqa: E402
 
 # Llama architectures (transformers LlamaConfig fields); the vocabulary comes from the tokenizer.
@@ -254,16 +254,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--change-schedule changes a resumed run's schedule: it needs --resume")
     if args.spike_factor < 0 or 0 < args.spike_factor <= 1:
         parser.error("--spike-factor must be 0 (off) or more than 1")
-    if problem := guard.unwritable(Path(args.out)):
-        parser.error(f"--out {args.out}: {problem}")
-    if foreign := guard.foreign(Path(args.out)):
-        parser.error(f"--out {args.out} holds files no run of train_llama.py writes "
-                     f"({', '.join(foreign[:5])}): choose an empty or new folder")
-    if args.resume and args.overwrite:
-        parser.error("--resume continues OUT's run, --overwrite deletes it: choose one")
-    if not (args.resume or args.overwrite) and (previous := previous_run(Path(args.out))):
-        parser.error(f"--out {args.out} holds a previous run ({previous}): --resume continues "
-                     "it, --overwrite starts over and deletes it, or choose another --out")
+    if problem := guard.out_problem(Path(args.out), args.resume, args.overwrite):
+        parser.error(f"--out {args.out}{problem}")  # (read-only, not a run of ours, in use)
     if args.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401
@@ -275,15 +267,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def on_gpu() -> bool:
     return torch.cuda.is_available() and os.environ.get("COURSE_DEVICE", "") != "cpu"
-
-
-def previous_run(out: Path) -> str:
-    """What a run left in `out` ("" if nothing): its metrics file, its committed checkpoints."""
-    steps = sorted(s for p in (out / "checkpoints").glob("step_*")
-                   if p.is_dir() and (s := step_of(p.name)) is not None)
-    return ", ".join(what for what in [
-        "metrics.jsonl" if (out / "metrics.jsonl").exists() else "",
-        f"{len(steps)} checkpoint(s), the newest of step {steps[-1]}" if steps else ""] if what)
 
 
 # ---- the model, in torchtitan's order: build, activation checkpointing, compile, FSDP, weights
@@ -563,10 +546,8 @@ progress = Progress()
 state = {"app": AppState(model, optimizer), "progress": progress}
 ckpt = CheckpointDir(out / "checkpoints", keep=args.keep)  # on a signal, saved in any case
 metrics_path = out / "metrics.jsonl"
-changes = (json.loads((out / "run.json").read_text()).get("schedule_changes", [])
-           if args.resume and (out / "run.json").exists() else [])  # (read before any write)
-if args.resume_from is not None and any(c.get("resumed_from") == args.resume_from
-                                        for c in changes):  # a requeue of that job:
+changes = guard.schedule_changes(out) if args.resume else []  # (read before any write)
+if args.resume_from in [c.get("resumed_from", -1) for c in changes]:  # a requeue of that job:
     print0(f"--resume-from {args.resume_from}: done by an earlier attempt (run.json); "
            "resuming from the newest checkpoint")  # going back again would undo its work
     args.resume_from = None
