@@ -19,4 +19,8 @@ Behind the `make` targets:
 - `chapters`: each chapter's metadata from its notebook's first cell (the README's path table,
   the website, tests/test_chapters.py); `--write` fills in the reading times.
 - `torch_wheels`: `make setup`, which build of torch to install (the CPU wheels without a GPU).
+- `portable`: the rule every compared output keeps to hold on any CPU (no float noise),
+  checked on the stored notebooks by tests/test_portability.py.
+- `launch_cost`: where `make course`'s CPU goes, each notebook's launches split into their
+  floor (torchrun's agent, each rank's imports) and the lesson's work (docs/timings.md).
 """
