@@ -100,7 +100,10 @@ def load_config(model_path: str):
         raise UnsupportedModel(f"{path}: {config.model_type} is an encoder-decoder model; this "
                                "recipe trains decoder-only causal LMs")
     config.use_cache = False
-    skeleton(config)  # raises UnsupportedModel if no causal LM with a list of layers
+    try:
+        skeleton(config)  # a causal LM with a list of layers?
+    except UnsupportedModel as e:
+        raise UnsupportedModel(f"{path}: {e}") from None
     return config
 
 
@@ -110,9 +113,9 @@ def skeleton(config):
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except ValueError as e:  # "Unrecognized configuration class ... for AutoModelForCausalLM"
-        raise UnsupportedModel(f"{config.model_type}: not a causal LM transformers can build "
-                               f"({str(e).splitlines()[0][:120]})") from None
+    except ValueError:  # "Unrecognized configuration class ... for AutoModelForCausalLM"
+        raise UnsupportedModel(f"{config.model_type}: transformers has no causal LM for this "
+                               "model type (AutoModelForCausalLM)") from None
     parts(model)  # checks the layout
     return model
 
@@ -169,6 +172,11 @@ def parts(model) -> Parts:
     family = model.config.model_type
     decoder = model.get_decoder()
     layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):  # another name (GPT-2: transformer.h): the list
+        # of the blocks transformers itself never splits across devices
+        blocks = set(getattr(model, "_no_split_modules", None) or [])
+        layers = next((m for m in decoder.children() if isinstance(m, nn.ModuleList) and len(m)
+                       and all(type(b).__name__ in blocks for b in m)), None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise UnsupportedModel(f"{family} ({type(model).__name__}): no list of decoder layers "
                                "at model.get_decoder().layers; this recipe shards layer by layer")
