@@ -127,6 +127,14 @@ def test_a_folder_that_is_not_a_run_is_refused(monkeypatch, capsys, tmp_path, fi
     (tmp_path / "empty").mkdir()
     status, _, _ = run_in_process(monkeypatch, capsys, SCRIPT, "--out", tmp_path / "empty")
     assert "not started by torchrun" in str(status)  # past the checks
+    ours = tmp_path / "ours"  # what a run and train_llama.sbatch leave: a run of ours
+    for name in ("checkpoints", "hf", "profile", "tensorboard"):
+        (ours / name).mkdir(parents=True)
+    for name in ("metrics.jsonl", "stopped.json", "failed.json", "requeue_failures", ".lock"):
+        (ours / name).write_text("1\n")
+    (ours / "run.json").write_text('{"world_size": 2, "fsdp": {}}')
+    status, _, _ = run_in_process(monkeypatch, capsys, SCRIPT, "--out", ours, "--resume")
+    assert "not started by torchrun" in str(status)
 
 
 def test_a_read_only_out_is_one_line(monkeypatch, capsys, tmp_path):

@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor
 from distkit.ckpt import step_of
 
 LOCK = ".lock"  # in --out: who runs there now (host, pid, start); flock'ed while it runs
-# what a run of train_llama.py writes into --out, and nothing else
+# what a run of train_llama.py (and train_llama.sbatch) writes into --out, and nothing else
 OURS = {"metrics.jsonl", "run.json", "checkpoints", "hf", "profile", "tensorboard",
-        "stopped.json", "failed.json", LOCK}
+        "stopped.json", "failed.json", "requeue_failures", LOCK}
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, max_steps: int) -> float:
