@@ -4,7 +4,8 @@
         --ckpt-dir /tmp/ckpt --save-every 5 --resume --json /tmp/run.json
 
 It is chapter 04's train_fsdp2.py plus what a job needs to be stopped and resumed exactly (new
-lines say # NEW). Every --save-every steps each rank writes its own shards with dcp.save into
+lines say # NEW; those marked "lesson only" serve this chapter's demonstrations, a crash on
+purpose, the digest, the timings, and your own script leaves them out). Every --save-every steps each rank writes its own shards with dcp.save into
 step_NNNNNN.tmp/, and rank 0 commits the folder with an atomic rename (distkit.ckpt). With
 --resume the run starts from the newest checkpoint whose files all check out, with the model,
 AdamW's state, the LR schedule, the position in the data, the losses so far and each rank's
@@ -40,8 +41,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from distkit import print0, seed_everything, setup, teardown, write_json
-from distkit.ckpt import (AppState, CheckpointDir, ReadLog, RNGState, Stager,  # NEW
-                          read_manifest, state_digest)
+from distkit.ckpt import AppState, CheckpointDir, RNGState, Stager  # NEW
+from distkit.ckpt import ReadLog, read_manifest, state_digest  # NEW (lesson only)
 from distkit.toy import counting_data, tiny_llama, warmup_cosine
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -60,7 +61,7 @@ parser.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                     help="NEW: start from the newest good checkpoint in --ckpt-dir, "
                          "or from the checkpoint folder given")
 parser.add_argument("--show-reads", metavar="KEY",
-                    help="NEW: on resume, print which rows of the tensor KEY (e.g. "
+                    help="NEW (lesson only): on resume, print which rows of the tensor KEY (e.g. "
                          "model.embed_tokens.weight) each rank reads, and from which file")
 args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))  # every rank needs at least one batch
@@ -78,7 +79,7 @@ if args.resume not in (None, "latest") and (why := CheckpointDir.problem(Path(ar
     parser.error(f"--resume {args.resume}: {why}")  # NEW: its files checked before any load
 
 env = setup()
-restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # NEW: torchrun's attempt number
+restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # NEW (lesson only): attempt no.
 if env.device.type == "cuda":  # NEW: a bit-exact resume on GPU needs deterministic kernels
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -133,7 +134,7 @@ def crash_if(where, step):  # NEW (for this lesson only): a real failure at a ch
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class Writer(dcp.FileSystemWriter):  # NEW: DCP's file writer, with the lesson's crash inside
+class Writer(dcp.FileSystemWriter):  # NEW (lesson only): DCP's file writer, a crash inside
     def __init__(self, folder, step):
         super().__init__(folder)
         self.step = step  # (with --async, write_data runs while training has gone on)
@@ -161,18 +162,18 @@ if start:
     # more ranks than saved them, a rank finds none of its own, so they are loaded apart, with a
     # planner that lets a key be absent (it then keeps its value); model, AdamW and progress
     # must all be there.
-    reads = ReadLog(args.show_reads) if args.show_reads else None  # (default planner + a log)
+    reads = ReadLog(args.show_reads) if args.show_reads else None  # (lesson only: --show-reads)
     dcp.load({k: state[k] for k in ("app", "progress")}, checkpoint_id=start, planner=reads)
     dcp.load({"rng": state["rng"]}, checkpoint_id=start,
              planner=DefaultLoadPlanner(allow_partial_load=True))
     resumed_from = progress.step
-    if reads:  # NEW (--show-reads): what each rank's planner chose to read, and from where
+    if reads:  # NEW (lesson only, --show-reads): what each rank's planner read, from where
         if not (report := reads.report()):  # (collective: the same answer on every rank)
             raise SystemExit(f"train_ckpt.py: --show-reads: no tensor {args.show_reads} in "
                              f"{start}")
         print0(f"what each rank reads of {args.show_reads}:", *report, sep="\n  ")
     print0(f"attempt {restart}: resumed from {os.path.basename(start)} (step {progress.step}) "
-           f"on {env.world_size} rank(s); loaded == saved: "
+           f"on {env.world_size} rank(s); loaded == saved: "  # (lesson only: the digest)
            f"{state_digest(model, optimizer) == read_manifest(start).get('digest')}")
 elif args.resume:
     print0(f"attempt {restart}: no checkpoint yet in {args.ckpt_dir}; starting from step 0")
@@ -183,13 +184,13 @@ elif args.resume:
 ckpt_group = dist.new_group(backend="gloo") if args.async_save else None
 stager = Stager(env.device) if args.async_save else None
 pending = None  # the async save still uploading: (step, digest, response, seconds blocked)
-saves = []  # per save: seconds the loop was blocked by it, of which the commit's read-back
+saves = []  # (lesson only) per save: seconds the loop was blocked, of which the commit's
 
 
 def commit(step, digest, blocked, t0):  # NEW: a checkpoint's files are complete: seal it
-    t1 = time.perf_counter()
+    t1 = time.perf_counter()  # (lesson only: the timings, the digest)
     ckpt.commit(step, world_size=env.world_size, digest=digest)
-    saves.append({"step": step, "blocked": blocked + time.perf_counter() - t0,
+    saves.append({"step": step, "blocked": blocked + time.perf_counter() - t0,  # (lesson only)
                   "commit": time.perf_counter() - t1})
 
 
@@ -205,11 +206,12 @@ def finish_pending():  # NEW (--async): wait for the previous upload, then commi
 
 def save(step):  # NEW
     global pending
-    # (The digest is this lesson's "loaded == saved" check, not part of a save: it gathers the
-    # whole state to rank 0, which a real job at scale would not do.)
+    # (lesson only: the digest is this lesson's "loaded == saved" check, not part of a save: it
+    # gathers the whole state to rank 0, which a real job at scale would not do; the timings)
     digest = state_digest(model, optimizer)
     t0 = time.perf_counter()
     if not args.async_save:  # every rank writes its shards in parallel; then the commit
+        # (lesson only: Writer; your script passes checkpoint_id=ckpt.begin(step))
         dcp.save(state, storage_writer=Writer(ckpt.begin(step), step))
         return commit(step, digest, 0.0, t0)
     finish_pending()  # one save in flight: the stager refills the host copy the last one used
@@ -223,14 +225,14 @@ for epoch in range(progress.step // steps_per_epoch, args.epochs):
     # NEW: skip the batches this epoch already trained on (cheap here: the data is in memory)
     for (tokens,) in itertools.islice(loader, progress.step % steps_per_epoch, None):
         tokens = tokens.to(env.device)
-        # NEW: where dropout or an augmentation would draw random numbers (this model has none):
-        # one from each global generator, logged, so the streams move and a resume must restore
-        # them (RNGState) to draw the same ones
+        # NEW (lesson only): where dropout or an augmentation would draw random numbers (this
+        # model has none): one from each global generator, logged, so the streams move and a
+        # resume must restore them (RNGState) to draw the same ones
         progress.draws.append([torch.rand(1).item(), random.random()])
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         if pending:  # NEW (--async): the copy must be whole before the weights change
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # (lesson only: the time blocked)
             pending[2].staging_completion.result()
             pending = (*pending[:3], pending[3] + time.perf_counter() - t0)
         optimizer.step()
@@ -240,20 +242,20 @@ for epoch in range(progress.step // steps_per_epoch, args.epochs):
         dist.all_reduce(loss)
         progress.losses.append(loss.item() / env.world_size)
         progress.step += 1
-        crash_if("step", progress.step)
+        crash_if("step", progress.step)  # (lesson only)
         if ckpt and progress.step % args.save_every == 0:
             save(progress.step)  # NEW
     print0(f"epoch {epoch}  step {progress.step:3d}  loss {progress.losses[-1]:.3f}")
 
 finish_pending()  # NEW (--async): the last save, committed before the run ends
-host_bytes = None
+host_bytes = None  # (lesson only: the host memory each save's copy took)
 if stager:
     stager.close()  # a stager we created is ours to close
     host_bytes = [None] * env.world_size  # per rank, per save: host memory of the staged copy
     dist.all_gather_object(host_bytes, stager.host_bytes)
 
-# NEW: the whole training state to the last bit (in the JSON only: the last bits of a float
-# differ from one CPU to another, so its printed value would differ too)
+# NEW (lesson only): the whole training state to the last bit (in the JSON only: the last bits
+# of a float differ from one CPU to another, so its printed value would differ too)
 write_json(args.json, {"losses": progress.losses, "digest": state_digest(model, optimizer),
                        "draws": progress.draws,  # per step: the random numbers drawn
                        "resumed_from": resumed_from,
