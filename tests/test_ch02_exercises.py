@@ -43,6 +43,39 @@ def checks(tmp_path_factory):
     }, tmp_path_factory.mktemp("ch02_ex"), nprocs="largest")
 
 
+@pytest.fixture(scope="module")
+def halved(tmp_path_factory):
+    """make test-nproc: the DDP habit of dividing by the world size, in both exercises, at 2
+    ranks: each a whole factor 0.5x, once caught without a hint (instructor's review)."""
+    return check_at_once({
+        # a pipeline's ranks hold stages, not data shards: no / N
+        "gpipe_over_world": ("02.1", ("out = lm_loss(out, micro[i]) / m",
+                                      "out = lm_loss(out, micro[i]) / (m * env.world_size)")),
+        # f's backward averages the partial input gradients instead of adding them up
+        "megatron_f_mean": ("02.2", ("return all_reduce(grad.clone())",
+                                     "return all_reduce(grad.clone()) / dist.get_world_size()")),
+    }, tmp_path_factory.mktemp("ch02_halved"))
+
+
+@pytest.mark.second_nproc
+def test_gpipe_divided_by_the_world_size_too_is_named(halved):
+    ok, lines, _ = halved["gpipe_over_world"]
+    assert not ok
+    assert lines[-1].endswith(": 0.50x: is the loss divided by more than m? (a pipeline's ranks "
+                              "hold stages, not shards of the data: no division by the world "
+                              "size)"), lines[-1]
+
+
+@pytest.mark.second_nproc
+def test_megatron_f_backward_averaging_is_named(halved):
+    ok, lines, _ = halved["megatron_f_mean"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [2 ranks] hand: input_grad differs from the unsharded "
+                                "model's by "), lines[-1]
+    assert lines[-1].endswith(": 0.50x: is a sum averaged? f's backward and g's forward add the "
+                              "ranks' partial results: a plain all-reduce, no / N"), lines[-1]
+
+
 def test_gpipe_without_the_scale_is_named(wrong):
     ok, lines, _ = wrong["gpipe_no_scale"]
     assert not ok
