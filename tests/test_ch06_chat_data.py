@@ -29,6 +29,10 @@ CHATML_MARKED = ("{% for m in messages %}" + TURN + "{% if m.role == 'assistant'
                  "{% else %}{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Qwen3-like: an assistant turn followed by more turns is rendered without its content
+# Mistral-like: refuses a conversation whose roles do not alternate
+STRICT = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+          + TURN + "{{ m.content }}<|im_end|>\n{% endfor %}")
 FORGETFUL = ("{% for m in messages %}" + TURN + "{% if m.role == 'assistant' and not loop.last "
              "%}(earlier){% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -64,7 +68,8 @@ def make_tokenizer(folder, template):
 def tokenizers(tmp_path_factory):
     root = tmp_path_factory.mktemp("tok")
     return {name: make_tokenizer(root / name, t) for name, t in
-            (("plain", CHATML), ("marked", CHATML_MARKED), ("forgetful", FORGETFUL))}
+            (("plain", CHATML), ("marked", CHATML_MARKED), ("forgetful", FORGETFUL),
+             ("strict", STRICT))}
 
 
 def test_assistant_tokens_prefix_by_prefix_equal_generation_marks(tokenizers):
@@ -89,13 +94,18 @@ def test_assistant_tokens_prefix_by_prefix_equal_generation_marks(tokenizers):
     # assistant's: every target is a masked token)
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizers):
+def test_a_template_that_rewrites_earlier_turns_or_raises_is_refused(tokenizers):
     with pytest.raises(chat_data.BadRecord, match=r"^x.jsonl:3: the chat template renders "
                        r"turn 2 differently"):
         chat_data.encode(tokenizers["forgetful"], CONVERSATION, "x.jsonl:3")
     # one assistant turn, last: nothing rewritten, accepted
     ids, mask = chat_data.encode(tokenizers["forgetful"], CONVERSATION[:3])
     assert sum(mask) > 0
+    # a template that raises: one line naming the record
+    with pytest.raises(chat_data.BadRecord, match=r"^x.jsonl:4: the chat template refused it: "
+                       r"Conversation roles must alternate user/assistant$"):
+        chat_data.encode(tokenizers["strict"], CONVERSATION, "x.jsonl:4")
+    assert sum(chat_data.encode(tokenizers["strict"], CONVERSATION[1:3])[1]) > 0
 
 
 @pytest.mark.parametrize("line, reason", [
@@ -164,25 +174,26 @@ def test_packed_documents_attend_only_to_themselves_on_cpu_sdpa():
     the second document attends to the first and its positions run on: logits differ."""
     import families
     from transformers import AutoModelForCausalLM
-    config = families.tiny_config("llama", vocab_size=96, seq_len=32)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
     docs = [torch.randint(0, 96, (n,)) for n in (7, 12, 5)]
     row = torch.cat(docs)[None]
     positions = torch.cat([torch.arange(len(d)) for d in docs])[None]
-    with torch.no_grad():
-        alone = torch.cat([model(input_ids=d[None]).logits[0] for d in docs])
-        packed = model(input_ids=row, position_ids=positions).logits[0]
-        crossed = model(input_ids=row).logits[0]
-    assert (packed - alone).abs().max() < 1e-5
-    assert (crossed[7:] - alone[7:]).abs().max() > 1e-3  # documents 2 and 3 see document 1
+    for family in ("llama", "gemma3_text"):  # (Gemma 3: its sliding-window layer too, window 8)
+        config = families.tiny_config(family, vocab_size=96, seq_len=32)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            alone = torch.cat([model(input_ids=d[None]).logits[0] for d in docs])
+            packed = model(input_ids=row, position_ids=positions).logits[0]
+            crossed = model(input_ids=row).logits[0]
+        assert (packed - alone).abs().max() < 1e-5, family
+        assert (crossed[7:] - alone[7:]).abs().max() > 1e-3  # documents 2, 3 see document 1
 
 
 # ---- the global-token loss on 2 ranks (torch.multiprocessing, gloo, FSDP2 on a tiny model)
 
 V, H = 32, 16
-NORMALISATIONS = ("global", "mean", "no-factor")
+NORMALISATIONS = ("global", "global-hsdp", "mean", "no-factor")  # HSDP: 2 replicas x 1 shard
 
 
 def _tiny():
@@ -210,13 +221,16 @@ def _worker(rank, port, out):
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
     x, y = _batch()
+    from torch.distributed.device_mesh import init_device_mesh
+    hsdp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
     runs = {}
     for normalisation in NORMALISATIONS:
         model = _tiny()
+        mesh = {"mesh": hsdp} if normalisation == "global-hsdp" else {}
         for layer in (model[0], model[1], model[3]):
-            fully_shard(layer)
-        fully_shard(model)
-        if normalisation == "global":
+            fully_shard(layer, **mesh)
+        fully_shard(model, **mesh)
+        if normalisation.startswith("global"):
             assert sum_gradients(model) == 4
         mine = slice(rank * 4, rank * 4 + 4)
         micro = [(x[mine][i:i + 2], y[mine][i:i + 2]) for i in (0, 2)]  # 2 micro-batches
@@ -284,7 +298,7 @@ def test_global_token_loss_equals_one_process_on_two_ranks(two_ranks, normalisat
     averaging gives gradients 1/2 of one process's (wrong, and the loss hides it)."""
     run = two_ranks[normalisation]
     loss_gap, grad_gap, scale = _gaps(run, _one_process())
-    if normalisation == "global":
+    if normalisation.startswith("global"):  # FSDP, and HSDP (the replicas' all-reduce sums)
         assert loss_gap < 1e-5 and grad_gap < 1e-6, (loss_gap, grad_gap)
     elif normalisation == "mean":
         assert loss_gap > 1e-3 and grad_gap > 1e-3, (loss_gap, grad_gap)

@@ -111,20 +111,27 @@ def read_records(path) -> list[tuple[str, list[dict]]]:
     return records
 
 
-def _render(tokenizer, messages, **kw) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+def _render(tokenizer, messages, where: str = "", **kw):
+    """apply_chat_template, its refusals (a template that raises on a role order, e.g. Mistral's
+    "roles must alternate") made one BadRecord line."""
+    from jinja2.exceptions import TemplateError
+    try:
+        return tokenizer.apply_chat_template(messages, **{"tokenize": False, **kw})
+    except TemplateError as e:
+        raise BadRecord(f"{where}: the chat template refused it: {str(e).splitlines()[0]}") \
+            from None
 
 
 def assistant_spans(tokenizer, messages, where: str = "") -> tuple[str, list[tuple[int, int]]]:
     """(the conversation's text, the character spans of the assistant's turns), found prefix by
     prefix (see the module's docstring)."""
-    text = _render(tokenizer, messages)
+    text = _render(tokenizer, messages, where)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-        upto = _render(tokenizer, messages[:i + 1])
+        before = _render(tokenizer, messages[:i], where, add_generation_prompt=True) if i else ""
+        upto = _render(tokenizer, messages[:i + 1], where)
         if not (text.startswith(upto) and upto.startswith(before)):
             raise BadRecord(f"{where}: the chat template renders turn {i} differently once "
                             "later turns follow (e.g. it drops earlier reasoning): the "
@@ -141,8 +148,8 @@ def encode(tokenizer, messages, where: str = "") -> tuple[list[int], list[bool]]
         raise BadRecord(f"{where}: the tokenizer has no chat template (chat_template in "
                         "tokenizer_config.json or chat_template.jinja)")
     if re.search(r"\{%-?\s*generation\s*-?%\}", template):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+        out = _render(tokenizer, messages, where, tokenize=True, return_dict=True,
+                      return_assistant_tokens_mask=True)
         return list(out["input_ids"]), [bool(a) for a in out["assistant_masks"]]
     text, spans = assistant_spans(tokenizer, messages, where)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
