@@ -26,18 +26,25 @@ model's logits, not to model(labels=...), which would shift them again.
 Packing: short conversations are concatenated into rows of exactly seq_len tokens (no compute on
 padding but a row's tail), each document keeping its own positions (position_ids restart at 0)
 and its own labels (a document's last position predicts nothing: no target crosses into the next
-document). What attention may cross is up to the attention implementation. transformers 5.23
-(masking_utils.find_packed_sequence_indices, create_causal_mask) reads the documents from the
-position_ids when no attention_mask is passed and no cache is used: it then builds a
-block-diagonal causal mask, so with sdpa (on the CPU too: measured in the tests, packed logits =
-each document alone, < 1e-5), eager and flex attention a token attends only to earlier tokens
-of its own document; flash_attention_2/3 pass the same boundaries to the varlen kernels. What it
-costs on sdpa and eager: an explicit (S x S) mask instead of is_causal, and every masked pair is
-still computed (sum over documents of L^2 / 2 is what a varlen kernel pays; sdpa pays S^2 / 2).
-Documents DO attend to earlier documents of their row when an attention_mask is passed (the
-detection is skipped), when the position_ids do not restart (then the rotary positions run on
-too), and under an attention function that ignores the mask (chapter 09's context-parallel
-attention). Padding at a row's end is a document of its own, with labels -100.
+document). What attention may cross is up to the attention implementation (transformers 5.23,
+read in its source):
+- sdpa, eager, flex: create_causal_mask (masking_utils.find_packed_sequence_indices) reads the
+  documents from the position_ids when no attention_mask is passed and no cache is used, and
+  builds a block-diagonal causal mask: a token attends only to earlier tokens of its own
+  document. On the CPU with sdpa too (tests: packed logits = each document alone, < 1e-5, Llama
+  and Gemma 3's sliding-window layer; without position_ids they differ). The cost: an explicit
+  (S x S) mask instead of is_causal (on a GPU, sdpa then leaves its flash kernel for the
+  memory-efficient one), and every masked pair is still computed: S^2 / 2 per row, where a
+  varlen kernel pays the sum of L^2 / 2 over the documents.
+- flash_attention_2/3: documents are separated (varlen kernel, boundaries where the position_ids
+  restart) ONLY for a batch of one row (_is_packed_sequence: batch_size == 1): reshape a
+  micro-batch's input_ids, position_ids and labels to (1, rows x seq_len) first ("padding
+  free"). With several rows, each row is one causal sequence and documents attend to earlier
+  documents of their row.
+- Documents also attend across when an attention_mask is passed (the detection is skipped), when
+  the position_ids do not restart (the rotary positions then run on too), and under an attention
+  function that ignores the mask (chapter 09's context-parallel attention).
+Padding at a row's end is a document of its own (positions from 0), with labels -100.
 """
 from __future__ import annotations
 

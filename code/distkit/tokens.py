@@ -42,7 +42,9 @@ def global_valid_tokens(labels, group=None, ignore_index: int = IGNORE) -> torch
     """The valid labels of the whole step: this rank's (a tensor, or a list of its micro-batches'
     labels), summed over every rank of `group` (a group, a list of groups whose product covers the
     data- and context-parallel ranks, or None for the world). One all-reduce of one integer per
-    group; every rank gets the same count. Call it once per step, before the micro-batches."""
+    group; every rank gets the same count. Call it once per step, before the micro-batches.
+    (Inside a distributed script, a one-process reference must count its own labels and pass
+    them as global_token_loss's num_valid: None would all-reduce them over the world.)"""
     pieces = labels if isinstance(labels, (list, tuple)) else [labels]
     count = sum((y != ignore_index).sum() for y in pieces).to(torch.int64).reshape(())
     if dist.is_available() and dist.is_initialized():
