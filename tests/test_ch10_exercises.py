@@ -38,6 +38,10 @@ WRONG = {
                          "spans], step",
                          "return [rank[-1][1] - sum(end - start for start, end in rank) "
                          "for rank in spans], step")),
+    # the step taken as rank 0's end (its last backward): right for four schedules, not ZBV
+    # (once named "no rank ever waits; does an action wait for its inputs?": expert_ch10 F10)
+    "rank 0's end": ("10.2", ("step = max(end for rank in spans for _, end in rank)",
+                              "step = spans[0][-1][1]")),
     "B costs 1": ("10.2", ('COSTS = {"F": 1, "B": 2, "I": 1, "W": 1}',
                            'COSTS = {"F": 1, "B": 1, "I": 1, "W": 1}')),
 }
@@ -49,6 +53,7 @@ EXPECT = {"inverted": "inverted (amax / 448)?", "no abs": "is amax taken of |x|"
           "keepdim always": "per tensor: a scale of shape [1, 1], not a 0-dim tensor",
           "no waiting": "does an action wait for its inputs",
           "own end": "the step ends for every rank when the last one ends",
+          "rank 0's end": "the step ends when the LAST rank ends, for every rank",
           "B costs 1": "the costs?"}
 
 

@@ -99,11 +99,13 @@ if args.pp < 2 or args.microbatches < 1:
 cases = [(args.schedule, args.pp, args.microbatches)] if args.schedule else CASES
 results = []
 for schedule, pp, m in cases:
-    idle, step = idle_units(timeline(lists(schedule, pp, m)))
+    spans = timeline(lists(schedule, pp, m))
+    idle, step = idle_units(spans)
     formula = bubble_formula(schedule, pp, m)
     print(f"{schedule:22s} p={pp} m={m}: idle units per rank {idle} of a step of {step}; "
           f"bubble {idle[0] / step:.3f}, formula {float(formula):.3f}")
-    results.append({"schedule": schedule, "pp": pp, "m": m, "idle": idle, "step": step})
+    results.append({"schedule": schedule, "pp": pp, "m": m, "idle": idle, "step": step,
+                    "ends": [max((end for _, end in rank), default=0) for rank in spans]})
 if args.json:
     with open(args.json, "w") as f:
         json.dump({"cases": results}, f, indent=1)

@@ -122,11 +122,17 @@ def bubble(run):
     for case in run()["cases"]:
         s, p, m = case["schedule"], case["pp"], case["m"]
         lists = one_f_one_b(p, m) if s == "1F1B" else actions(s, p, m)
-        want = idle(simulate(lists))
+        timeline = simulate(lists)
+        want = idle(timeline)
         idle_want, step_want = [i for i, _ in want], want[0][1]
+        ends_want = [max((end for *_, end in rank), default=0) for rank in timeline]
         name = f"{s} p={p} m={m}"
         hint = ""
-        if not any(case["idle"]):
+        if case.get("ends") == ends_want and case["step"] != step_want:
+            # the timeline is right, the step is not: one rank's end taken for everyone's
+            hint = (f": your step lasts {case['step']}, but the ranks end at {ends_want}: the "
+                    "step ends when the LAST rank ends, for every rank")
+        elif not any(case["idle"]):
             hint = ": no rank ever waits; does an action wait for its inputs to end?"
         elif case["step"] != step_want:
             hint = f" (your step lasts {case['step']}, expected {step_want}: the costs?)"
