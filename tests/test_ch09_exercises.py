@@ -1,9 +1,12 @@
 """Chapter 09's exercises through their checker (`make exercise EX=09.1`, `09.2`, `09.3`): each
-solution, copied over its starter, passes at 2 ranks (make test); at 3 ranks (make test-nproc)
-the solutions pass again and the plausible wrong answers fail, each with the line that names its
-mistake; --help and bad input.
+solution, copied over its starter, passes at 2 ranks, and each exercise's headline wrong answer
+fails there, caught by the checker's second configuration (scores + 1000, a group smaller than
+the world, top-3) (make test); at 3 ranks (make test-nproc) the solutions pass again and the
+other plausible wrong answers fail, each with the line that names its mistake; --help and bad
+input.
 
-Budget of `make test`: three 2-rank launches at once, no transformers import (~5 CPU-s each).
+Budget of `make test`: six 2-rank launches at once, no transformers import (~5 CPU-s each; 75 s
+of wall time on a loaded 2-core machine).
 The untouched starters' first TODO is tests/test_exercises.py's (no launch). --help and bad input
 run in this process: argparse stops the scripts before setup().
 """
