@@ -366,6 +366,27 @@ def test_token_cache_built_once_per_job(tmp_path, monkeypatch):
     assert corpus.prepare_on_ranks(0, tmp_path, 300) == folder and len(built) == 1
 
 
+def test_a_cache_built_with_the_models_tokenizer_is_the_jobs(tmp_path, monkeypatch, capsys):
+    """Issue 43 item 5: corpus.py --model-path DIR tokenizes with the model's own tokenizer, and
+    the job (train_llama.py --model-path, spelled another way, any --vocab-size) finds that
+    cache: its rank 0 does not tokenize again (planted: a key on the path's spelling or on
+    --vocab-size fails)."""
+    import runpy
+    from transformers import AutoTokenizer
+    corpus.hf_tokenizer(corpus.train_tokenizer(None, 300)).save_pretrained(tmp_path / "model")
+    (tmp_path / "mine.txt").write_text(("the cat sat on the mat. " * 43 + "\n") * 20)
+    monkeypatch.setattr(sys, "argv", ["corpus.py", *map(str, [
+        "--data-dir", tmp_path / "data", "--data", tmp_path / "mine.txt", "--model-path",
+        tmp_path / "model", "--vocab-size", "1000"])])
+    runpy.run_path(str(CODE / "ch06_capstone" / "corpus.py"), run_name="__main__")
+    built = Path(capsys.readouterr().out.splitlines()[0])
+    assert (built / "index.json").exists() and corpus.facts(built)["vocab_size"] == 300
+    monkeypatch.setattr(corpus, "_build", lambda *a: pytest.fail("rank 0 tokenized again"))
+    job = AutoTokenizer.from_pretrained(f"{tmp_path}/./model/")  # as train_llama.py loads it
+    assert corpus.prepare(tmp_path / "data", 2048, tokenizer=job,
+                          paths=[str(tmp_path / "mine.txt")]) == built
+
+
 def rows_of(folder):
     return [json.loads(r) for r in (folder / "metrics.jsonl").read_text().splitlines()]
 

@@ -246,8 +246,21 @@ def cache_key(paths, vocab_size: int, tokenizer, field: str = "text") -> str:
         text = [(str(f.relative_to(root)), *_fingerprint(f)) for f in files]
     else:
         text = sys.version
-    return hashlib.sha256(json.dumps([FORMAT, vocab_size, text, field, tokenizer.name_or_path
-                                      if tokenizer else None]).encode()).hexdigest()[:12]
+    vocab = len(tokenizer) if tokenizer is not None else vocab_size  # (a given one has its own)
+    return hashlib.sha256(json.dumps([FORMAT, vocab, text, field, tokenizer_id(tokenizer)])
+                          .encode()).hexdigest()[:12]
+
+
+def tokenizer_id(tokenizer) -> str | None:
+    """A given tokenizer by what it is, not where it lies: a hash of its rules (vocabulary,
+    merges, normalisation), so corpus.py --model-path DIR and train_llama.py --model-path DIR/
+    (another spelling, another copy of the model) find the same cache."""
+    if tokenizer is None:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's rules
+    if backend is None:
+        return tokenizer.name_or_path
+    return hashlib.sha256(backend.to_str().encode()).hexdigest()[:16]
 
 
 def cache_folder(data_dir, vocab_size: int, tokenizer=None, paths=None,
@@ -408,12 +421,22 @@ if __name__ == "__main__":
     parser.add_argument("--data", "--text", nargs="+", metavar="PATH",
                         help="your text, JSONL, Parquet files or saved datasets (default: pydoc)")
     parser.add_argument("--text-field", default="text", help="the records' text field")
+    parser.add_argument("--model-path", metavar="DIR", help="tokenize with this Hugging Face "
+                        "folder's tokenizer (the one train_llama.py --model-path DIR uses: its "
+                        "job then finds this cache) instead of training a BPE")
     args = parser.parse_args()
     if args.vocab_size < 257 or args.seq_len < 2:
         parser.error("need --vocab-size >= 257 (the 256 bytes and EOS) and --seq-len >= 2")
     if args.data and (problem := check(args.data, args.text_field)):
         parser.error(f"--data: {problem}")
-    folder = prepare(args.data_dir, args.vocab_size, paths=args.data, field=args.text_field)
+    tokenizer = None
+    if args.model_path:
+        if not os.path.isfile(os.path.join(args.model_path, "tokenizer_config.json")):
+            parser.error(f"--model-path: no tokenizer_config.json in {args.model_path}")
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    folder = prepare(args.data_dir, args.vocab_size, tokenizer=tokenizer, paths=args.data,
+                     field=args.text_field)
     print(folder)
     train, heldout = load(folder, args.seq_len)
     index = facts(folder)

@@ -22,7 +22,9 @@ and generate() read.
 What it writes to --out: metrics.jsonl (one line per step and per evaluation), run.json (the
 settings in effect and what one step did: collectives, gradient norms), checkpoints/, hf/ (the
 export), stopped.json or failed.json (why a run ended early), with --profile-step a trace per
-rank in profile/, and with --tensorboard the metrics as TensorBoard events. Needs torch >= 2.11.
+rank in profile/, and with --tensorboard the metrics as TensorBoard events; .lock while it runs
+(one run per folder). A bad update (a non-finite loss, norm or saved value, a loss spike) is
+never committed: the run stops with exit status 3 (guard.py). Needs torch >= 2.11.
 """
 import argparse
 import contextlib
