@@ -10,7 +10,8 @@ step --save-at it saves a Distributed Checkpoint of {"app": the model and AdamW 
 run left in memory: a fresh model (another seed), AdamW, LR schedule and data loader, the
 checkpoint loaded with dcp.load, training on from step --save-at + 1. The steps after the
 checkpoint must match the first run's bit for bit: the same batch on every rank, the same LR,
-the same loss, and the same model and AdamW state at the end (sha256 of the whole state).
+the same loss, and the same model and AdamW state at the end (sha256 of the whole state);
+and the first run itself must read, step by step, what a plain loop over the epochs reads.
 AppState already brings the model and AdamW back; the rest is yours: Progress, what else the
 run must remember (DCP's Stateful protocol), and the data, which must go on where it stopped.
 Fill in the TODO(you) parts, replacing each todo(...) call with your code. Run the script at any

@@ -8,8 +8,9 @@ rank holds H/N whole heads instead, every token of them: rank j gets heads j H/N
 a (B, H/N, S, D) tensor, and attention per head then needs nothing from any other rank.
 `seq_to_heads` is that re-deal, one all-to-all; distkit.cp.heads_to_seq is its inverse and
 distkit.cp.ulysses_attention uses both. The script checks your function: its output against
-the slice of the whole tensor it must equal, and Ulysses attention built on it (causal, with
-grouped-query attention) against attention over the whole sequence, output and gradients.
+the slice of the whole tensor it must equal, on the world group and in groups smaller than the
+world (as Ulysses runs on a (dp, cp) mesh's cp group), and Ulysses attention built on it (causal,
+with grouped-query attention) against attention over the whole sequence, output and gradients.
 Fill in the TODO(you) part, replacing the todo(...) call with your code. Run the script at any
 time: it stops at the first todo() left and says what is missing.
 `make exercise EX=09.2` checks it at 2 and 3 ranks. Solution, with the answers to the questions
