@@ -161,6 +161,11 @@ def test_both_record_forms_and_packing(tmp_path, tokenizers):
     assert packed.valid[0] == 2 * sum(mask)
     line = chat_data.summary(packed)
     assert line.startswith(f"6 rows of {seq_len} tokens, 9 conversations; ")
+    train, held = chat_data.load_chat([path], tok, seq_len, heldout_every=3)
+    assert sum(train.documents) == 6 and held.documents == [1, 1, 1]  # every 3rd: the long one
+    assert chat_data.is_chat(path) and not chat_data.is_chat(tmp_path / "missing.jsonl")
+    (tmp_path / "text.jsonl").write_text('{"text": "a document"}\n')
+    assert not chat_data.is_chat(tmp_path / "text.jsonl")
     # cut and dropped: rows shorter than the first assistant token
     short = chat_data.load_chat([path], tok, lengths[2] - 3)
     assert short.truncated == 3 and short.dropped == 0
@@ -305,3 +310,32 @@ def test_global_token_loss_equals_one_process_on_two_ranks(two_ranks, normalisat
     else:
         assert loss_gap < 1e-5 and abs(scale - 0.5) < 1e-4, (loss_gap, scale)
     assert run["valid"] == [21, 17] and run["count"] == 60  # rank 0's micro-batches; the step's
+
+
+def test_packed_chat_loss_equals_each_conversation_alone(tmp_path, tokenizers):
+    """Packing + shifted labels + the global-token loss compose: the loss of packed rows (with
+    position_ids) = the mean over every assistant token of the conversations run one by one
+    with transformers' own shift (model(labels=...)'s -100 convention) and summed."""
+    import families
+    from transformers import AutoModelForCausalLM
+    tok = tokenizers["plain"]
+    path = tmp_path / "chat.jsonl"
+    convs = [CONVERSATION[:3], CONVERSATION, CONVERSATION[1:3], CONVERSATION[:3]]
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    packed = chat_data.load_chat(path, tok, 96)
+    assert len(packed.documents) < len(convs)  # some rows hold several conversations
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(families.tiny_config("llama", vocab_size=len(tok),
+                                                                  seq_len=96))
+    with torch.no_grad():
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids).logits
+        loss = global_token_loss(logits, packed.labels)
+        total, count = 0.0, 0
+        for c in convs:
+            ids, mask = chat_data.encode(tok, c)
+            labels = torch.tensor([i if m else IGNORE for i, m in zip(ids, mask)])[None]
+            n = int((labels[:, 1:] != IGNORE).sum())
+            total += model(input_ids=torch.tensor(ids)[None], labels=labels).loss.item() * n
+            count += n
+    assert count == int(packed.valid.sum())
+    assert abs(loss.item() - total / count) < 1e-5

@@ -214,15 +214,46 @@ def pack(examples, seq_len: int, pad_id: int) -> Packed:
     return Packed(x, y, pos, [len(d) for d in rows], (y != IGNORE).sum(1), truncated, dropped)
 
 
-def load_chat(paths, tokenizer, seq_len: int) -> Packed:
-    """Every record of the JSONL files, encoded with the tokenizer's chat template, packed."""
+def is_chat(path) -> bool:
+    """Whether a --data file is chat data: a .jsonl/.json file whose first record has 'messages'
+    or 'prompt' (corpus.py reads other JSONL as plain text documents, their "text" field)."""
+    path = Path(path)
+    if path.suffix not in (".jsonl", ".json") or not path.is_file():
+        return False
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    return False
+                return isinstance(record, dict) and ("messages" in record or "prompt" in record)
+    return False
+
+
+def _pad_id(tokenizer) -> int:
+    for pad in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if pad is not None:
+            return pad
+    return 0
+
+
+def load_chat(paths, tokenizer, seq_len: int, heldout_every: int = 0):
+    """Every record of the JSONL files, encoded with the tokenizer's chat template, packed.
+    heldout_every = K > 0: every K-th conversation (the K-th, 2K-th, ...) is held out, packed on
+    its own, and (train, heldout) is returned; else one Packed."""
     examples = []
     for path in [paths] if isinstance(paths, (str, Path)) else paths:
         for where, messages in read_records(path):
             examples.append(encode(tokenizer, messages, where))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
-        tokenizer.eos_token_id
-    return pack(examples, seq_len, pad if pad is not None else 0)
+    if heldout_every <= 0:
+        return pack(examples, seq_len, _pad_id(tokenizer))
+    held = [e for i, e in enumerate(examples, 1) if i % heldout_every == 0]
+    train = [e for i, e in enumerate(examples, 1) if i % heldout_every]
+    if not held or not train:
+        raise BadRecord(f"{len(examples)} conversations: too few to hold out every "
+                        f"{heldout_every}th and train on the rest")
+    return pack(train, seq_len, _pad_id(tokenizer)), pack(held, seq_len, _pad_id(tokenizer))
 
 
 def summary(packed: Packed) -> str:
