@@ -5,15 +5,15 @@
 
 It is chapter 04's train_fsdp2.py plus what a job needs to be stopped and resumed exactly (new
 lines say # NEW; those marked "lesson only" serve this chapter's demonstrations, a crash on
-purpose, the digest, the timings, and your own script leaves them out). Every --save-every steps each rank writes its own shards with dcp.save into
-step_NNNNNN.tmp/, and rank 0 commits the folder with an atomic rename (distkit.ckpt). With
---resume the run starts from the newest checkpoint whose files all check out, with the model,
-AdamW's state, the LR schedule, the position in the data, the losses so far and each rank's
-random generators as they were: the rest of the run is then bit-identical to a run that never
-stopped. (The tiny Llama has no dropout, so each step draws one number from torch's and one from
-Python's generator, as dropout or a data augmentation would, and logs them: a resume that forgot
-the generators then shows it.) The checkpoint can be loaded on a different number of ranks
-(resharding).
+purpose, the digest, the timings, and your own script leaves them out). Every --save-every steps
+each rank writes its own shards with dcp.save into step_NNNNNN.tmp/, and rank 0 commits the
+folder with an atomic rename (distkit.ckpt). With --resume the run starts from the newest
+checkpoint whose files all check out, with the model, AdamW's state, the LR schedule, the
+position in the data, the losses so far and each rank's random generators as they were: the rest
+of the run is then bit-identical to a run that never stopped. (The tiny Llama has no dropout, so
+each step draws one number from torch's and one from Python's generator, as dropout or a data
+augmentation would, and logs them: a resume that forgot the generators then shows it.) The
+checkpoint can be loaded on a different number of ranks (resharding).
 
 --async saves with dcp.async_save: the loop waits only while this rank's state is copied to
 host memory; the files are written in the background during the next steps, and the
