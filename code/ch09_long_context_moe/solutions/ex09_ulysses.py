@@ -29,6 +29,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor.debug import CommDebugMode
 
 from distkit import print0, seed_everything, setup, teardown, todo, write_json
 from distkit.cp import reference_attention, ulysses_attention
@@ -82,8 +83,10 @@ tokens = slice(r * S // N, (r + 1) * S // N)  # this rank's tokens
 heads = slice(r * H // N, (r + 1) * H // N)   # the heads it must end up with
 errors = {}
 
-# 1. the re-deal itself: this rank's heads of the whole sequence
-got = seq_to_heads(q.detach()[:, :, tokens].contiguous(), group)
+# 1. the re-deal itself: this rank's heads of the whole sequence, its collectives counted
+with CommDebugMode() as comm:
+    got = seq_to_heads(q.detach()[:, :, tokens].contiguous(), group)
+collectives = {str(op).split(".")[-1]: calls for op, calls in comm.get_comm_counts().items()}
 errors["layout"] = (got - q.detach()[:, heads]).abs().max().item() \
     if got.shape == q[:, heads].shape else float("inf")
 
@@ -119,7 +122,7 @@ errors = dict(zip(names, worst.tolist()))
 for what, err in errors.items():
     print0(f"{what:21s} max |error| over the ranks < {TOL:.0e}: {err < TOL}")
 write_json(args.json, {"world_size": N, "seq": S, "heads": H, "kv_heads": H_kv,
-                       "tolerance": TOL, "errors": errors})
+                       "tolerance": TOL, "errors": errors, "collectives": collectives})
 teardown()
 
 ### BEGIN SOLUTION

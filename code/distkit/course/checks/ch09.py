@@ -1,5 +1,6 @@
 """Exercise checks for chapter 09 (context and expert parallelism); see
 distkit/course/checks/__init__.py."""
+from distkit.comm import NAMES
 from distkit.course.exercise import Fail, exercise
 
 
@@ -55,6 +56,15 @@ def ulysses(run):
                    "in a group smaller than the world (Ulysses' cp group inside a (dp, cp) "
                    "mesh) seq_to_heads's result is wrong: is N the group's size, "
                    "dist.get_world_size(group), not the world's?")
+    # the exercise's point: one all-to-all (an all-gather, then a slice, gives the same values
+    # and moves N times the data), c10d's or the functional collectives' name (distkit.comm)
+    got = {NAMES.get(op, op).replace("_", "-"): calls
+           for op, calls in res.get("collectives", {}).items()}
+    yield (got == {"all-to-all": 1}, "seq_to_heads makes one all-to-all, nothing else",
+           f"seq_to_heads makes {got or 'no collective'}, not one all-to-all"
+           + (": an all-gather, then a slice, gives the same heads but moves the whole sequence "
+              "to every rank; Ulysses sends each rank only its heads (all_to_all_single)"
+              if "all-gather" in got else ""))
     yield _bounded(res, "attention", "Ulysses attention = attention over the whole sequence",
                    "Ulysses attention built on your seq_to_heads differs from attention over "
                    "the whole sequence")
