@@ -704,6 +704,7 @@ def test_a_resume_with_no_usable_checkpoint_changes_nothing(chaos, tmp_path):
     for folder in CheckpointDir(out / "checkpoints").committed():  # steps 5, 10, 15
         shard = folder / "__1_0.distcp"
         shard.write_bytes(shard.read_bytes()[:1000])
+    (out / "stopped.json").write_text('{"signal": "SIGTERM", "step": 15}')  # an earlier stop
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
     args = [a if a != chaos["out"] else out for a in chaos["common"]]
     i = args.index("--replicate")

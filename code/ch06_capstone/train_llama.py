@@ -375,9 +375,6 @@ bf16 = args.precision == "bf16" or (args.precision == "auto" and env.device.type
 accum = args.batch_size // (env.world_size * args.micro_batch)  # micro-batches per step
 if env.rank == 0:
     out.mkdir(parents=True, exist_ok=True)
-    # why the last run ended early (train_llama.sbatch decides on a requeue from these)
-    for name in ("stopped.json", "failed.json"):
-        (out / name).unlink(missing_ok=True)
     if args.overwrite:  # asked for: the previous run's files go
         for name in ("checkpoints", "hf", "profile", "tensorboard"):
             shutil.rmtree(out / name, ignore_errors=True)
@@ -571,6 +568,9 @@ if start:
         metrics_path.write_text("".join(r + "\n" for r in rows))
 elif env.rank == 0:  # a fresh start (parse_args refused one over a previous run's files)
     metrics_path.unlink(missing_ok=True)
+if env.rank == 0:  # why the last run ended early (the sbatch decides on a requeue from these):
+    for name in ("stopped.json", "failed.json"):  # this run decides now (a refused --resume
+        (out / name).unlink(missing_ok=True)      # above changed nothing, these included)
 
 # What the run is, as it runs (rank 0 writes it): the settings in effect and, after this
 # process's first step, what that step did (collectives by kind, gradient norms).
