@@ -188,3 +188,19 @@ def test_llama3_405b_layout_and_goodput_at_16k(monkeypatch, capsys):
     assert round(FAILURES_PER_GPU_HOUR * 16384 * 54 * 24) == 419
     assert "goodput 92.5 %" in out
     assert round(goodput(16384, 15.0, 405.85e9)["goodput"], 3) == 0.737
+
+
+def test_power_is_an_input():
+    """The Hopper efficiency was fitted on 500 W H100s: a 350 W cap scales the matmuls by
+    350/500 (stated as an assumption), a 700 W part only adds a note (no fitted gain), and a
+    GPU at the fitted power gets the fit unchanged."""
+    from distkit.plan import efficiency, power_efficiency
+    _, eff, _ = fitted()
+    h100 = GPUS["H100 SXM"]
+    fit = efficiency(eff, h100, False)
+    capped, note = power_efficiency(eff, h100, False, 350)
+    assert capped.matmul == pytest.approx(fit.matmul * 0.7) and capped.passes == fit.passes
+    assert "0.70" in note
+    same, note = power_efficiency(eff, h100, False, None)  # 700 W: the board power
+    assert same == fit and "pessimistic" in note
+    assert power_efficiency(eff, GPUS["A100 80GB SXM"], False, None)[1] == ""
