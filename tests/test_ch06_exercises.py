@@ -32,6 +32,10 @@ EXIT_0 = ("os._exit(3)", "os._exit(0)")
 # the loop body does): the corrupted gradient reaches every weight of its shard group
 STEP_THEN_STOP = ("report(step)", "optimizer.step()\nreport(step)")
 
+# The verdict from the loss alone: the corrupted gradient's step goes through, the next loss is
+# NaN (which the loss check once passed: instructor's review F1)
+LOSS_ONLY = (LOCAL_VERDICT[0], "return mean_loss, norm, not math.isfinite(mean_loss)")
+
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
@@ -42,8 +46,10 @@ def checks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def more_wrong(tmp_path_factory):
-    """make test-nproc: a status 0 and a sum for a mean, still at 2 ranks."""
-    return check_at_once({"exit_0": ("06.1", EXIT_0), "no_mean": ("06.1", NO_MEAN)},
+    """make test-nproc: a status 0, a sum for a mean and a verdict from the loss alone, still at
+    2 ranks."""
+    return check_at_once({"exit_0": ("06.1", EXIT_0), "no_mean": ("06.1", NO_MEAN),
+                          "loss_only": ("06.1", LOSS_ONLY)},
                          tmp_path_factory.mktemp("ch06_more_wrong"))
 
 
@@ -199,3 +205,13 @@ def test_bad_input(monkeypatch, capsys, folder, args, message):
     lines = err.strip().splitlines()
     assert code == 2 and lines[0].startswith("usage:")
     assert lines[-1] == f"ex06_hsdp_guard.py: error: {message}"
+
+
+@pytest.mark.second_nproc
+def test_a_verdict_from_the_loss_alone_fails_on_its_nan_loss(more_wrong):
+    ok, lines, _ = more_wrong["loss_only"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [2 ranks] losses differ from one process's on the whole "
+                                "batch at step 5 by nan"), lines[-1]
+    assert lines[-1].endswith("not at step 4, where a gradient was corrupted: does the verdict "
+                              "read the gradient norm, not only the loss?"), lines[-1]

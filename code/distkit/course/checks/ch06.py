@@ -1,4 +1,5 @@
 """Exercise checks for chapter 06 (the capstone); see distkit/course/checks/__init__.py."""
+import math
 from pathlib import Path
 
 from distkit.course.exercise import exercise
@@ -52,9 +53,16 @@ def hsdp_guard(run):
            f"bytes of {whole:,}", f"parameter bytes held per rank {held}, expected "
            f"{whole // S:,} each (1/{S} of {whole:,})")
     K = res["fault_step"]
-    yield losses_match(res["losses"], res["single_losses"][:len(res["losses"])], res["tolerance"],
-                       "one process's on the whole batch",
-                       scaled="is the all-reduced loss divided by the N ranks?")
+    stopped = [r["stopped_at"] for r in res["ranks"]]
+    ok, passed, failed = losses_match(res["losses"], res["single_losses"][:len(res["losses"])],
+                                      res["tolerance"], "one process's on the whole batch",
+                                      scaled="is the all-reduced loss divided by the N ranks?")
+    if not ok and not all(math.isfinite(x) for x in res["losses"]) and stopped != [K] * N:
+        # a NaN loss after the corrupted step: the guard let the optimizer step on it
+        failed += (f"; the ranks stopped at steps {stopped} (None: ran to the end), not at step "
+                   f"{K}, where a gradient was corrupted: does the verdict read the gradient "
+                   "norm, not only the loss?")
+    yield ok, passed, failed
     yield (not res["problem"], "the guard's verdict is the same on every rank at every step",
            f"{res['problem']}: ranks {[r for r, v in enumerate(res['verdicts'][-1]) if v]} "
            f"would stop, ranks {[r for r, v in enumerate(res['verdicts'][-1]) if not v]} go on "
@@ -65,7 +73,6 @@ def hsdp_guard(run):
            f"share(): one all-reduce over all {N} ranks",
            f"share()'s collectives per rank: {guard}; expected one all_reduce over ranks "
            f"{list(range(N))}")
-    stopped = [r["stopped_at"] for r in res["ranks"]]
     yield (stopped == [K] * N, f"every rank stopped at step {K}, the corrupted one",
            f"the ranks stopped at steps {stopped} (None: ran to the end), not at step {K}, "
            "where a gradient was corrupted")
