@@ -104,6 +104,20 @@ def test_a_model_folder_loads_and_bad_ones_are_one_line(tmp_path):
         families.tiny_config("gpt5")
 
 
+def test_tiny_configs_take_a_preset_shape():
+    """Any family at train_llama.py's cpu-tiny width: head_dim = hidden / heads everywhere
+    (Qwen3 defaults to 128, Gemma to 256), the preset's tying kept."""
+    preset = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
+    for family in families.FAMILIES:
+        config = families.tiny_config(family, vocab_size=2048, seq_len=128, **preset)
+        assert (config.head_dim, config.num_hidden_layers, config.tie_word_embeddings) == (
+            32, 4, True), family
+        model = families.skeleton(config)
+        q = families.parts(model).layers[0].self_attn.q_proj
+        assert q.weight.shape == (128, 128), family
+
+
 def check(results, normalisations):
     for family, res in results["families"].items():
         assert res["global"]["parity"], (family, res["global"])

@@ -47,20 +47,19 @@ import torch
 from torch import nn
 
 # A tiny config per family (transformers model_type -> the fields that differ from the shared
-# ones below): two layers, 32 wide, GQA (4 query heads, 2 key/value heads). The real models'
-# configs come from their folders (config.json), never from here.
+# ones below): two layers, 32 wide, GQA (4 query heads, 2 key/value heads); head_dim is always
+# hidden / heads (several families default to a fixed 128 or 256). The real models' configs come
+# from their folders (config.json), never from here.
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5}
 FAMILIES = {
     "llama": {"tie_word_embeddings": False},
     "qwen2": {"tie_word_embeddings": True},  # Qwen2.5 0.5B-3B tie; attention has q/k/v biases
-    "qwen3": {"head_dim": 8, "tie_word_embeddings": False},  # q/k norms
+    "qwen3": {"tie_word_embeddings": False},  # q/k norms
     "mistral": {"tie_word_embeddings": False},
-    "gemma2": {"head_dim": 8},  # tied (its default), logit soft-capping, eager attention
-    "gemma3_text": {"head_dim": 8, "sliding_window": 8,  # tied; a sliding and a full layer
-                    "layer_types": ["sliding_attention", "full_attention"]},
-    "qwen3_moe": {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
-                  "moe_intermediate_size": 32, "tie_word_embeddings": False},
+    "gemma2": {},  # tied (its default), logit soft-capping, eager attention
+    "gemma3_text": {"sliding_window": 8},  # tied; sliding and full layers alternate
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2,
                 "tie_word_embeddings": False},
 }
@@ -72,13 +71,24 @@ class UnsupportedModel(ValueError):
 
 
 def tiny_config(family: str = "llama", vocab_size: int = 96, seq_len: int = 64, **overrides):
-    """A tiny config of `family` (a key of FAMILIES), use_cache off (training never generates)."""
+    """A config of `family` (a key of FAMILIES): TINY's shape, or another given as overrides
+    (e.g. train_llama.py's PRESETS: hidden_size, intermediate_size, heads, layers, ...);
+    head_dim = hidden / heads, Qwen3-MoE's experts half the dense width; use_cache off
+    (training never generates)."""
     from transformers import AutoConfig
     if family not in FAMILIES:
         raise UnsupportedModel(f"unknown family {family!r}; tiny configs exist for "
                                f"{', '.join(FAMILIES)}")
+    fields = {**TINY, **FAMILIES[family], **overrides}
+    fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
+    if family == "qwen3_moe":
+        fields.setdefault("moe_intermediate_size", fields["intermediate_size"] // 2)
+    if family == "gemma3_text":  # (the real ones: 5 sliding, then 1 full)
+        fields.setdefault("layer_types", ["sliding_attention", "full_attention"]
+                          * (fields["num_hidden_layers"] // 2)
+                          + ["sliding_attention"] * (fields["num_hidden_layers"] % 2))
     config = AutoConfig.for_model(family, vocab_size=vocab_size, max_position_embeddings=seq_len,
-                                  **{**TINY, **FAMILIES[family], **overrides})
+                                  **fields)
     config.use_cache = False
     return config
 
