@@ -49,8 +49,14 @@ def test_each_family_builds_and_trains_on_cpu():
             assert experts.down_proj.shape == (4, 32, inter)
             assert router.weight.shape == (4, 32) and router.weight.grad.abs().sum() > 0
             assert "active per token" in families.describe(model)
+            out = model(input_ids=inputs, output_router_logits=True)
+            load = families.tokens_per_expert(out.router_logits, top_k=2)
+            assert load.shape == (2, 4) and load.sum(1).tolist() == [inputs.numel() * 2] * 2
+            term = families.aux_loss_term(out, config, pieces=4)
+            assert abs(term.item() - config.router_aux_loss_coef * out.aux_loss.item() / 4) < 1e-9
+            assert 1.9 < out.aux_loss.item() < 4  # E sum f_e P_e: even routing gives top_k
         else:
-            assert p.moe == []
+            assert p.moe == [] and families.aux_loss_term(model(input_ids=inputs), config, 2) == 0
 
 
 def test_restore_buffers_after_to_empty():

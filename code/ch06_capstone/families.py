@@ -251,6 +251,31 @@ def restore_buffers(model, config, device=None) -> list[str]:
     return names
 
 
+def tokens_per_expert(router_logits, top_k: int) -> torch.Tensor:
+    """(MoE layers, experts) int64: how many of a forward's token slots each expert got, from
+    the router logits a model returns with output_router_logits=True (one (tokens, E) tensor
+    per MoE layer; each token picks its top_k). Every row sums to tokens x top_k; an even load
+    is tokens x top_k / E per expert. Padding tokens are routed and counted too."""
+    return torch.stack([torch.bincount(logits.detach().topk(top_k, dim=-1).indices.flatten(),
+                                       minlength=logits.shape[-1]) for logits in router_logits])
+
+
+def aux_loss_term(output, config, pieces: int) -> torch.Tensor:
+    """The load-balancing loss to add to a piece's global-token loss, as model(labels=...) adds it
+    to its own mean (router_aux_loss_coef x aux_loss; transformers' aux_loss is the mean over
+    the piece's tokens, E sum f_e P_e, even routing = top_k). Under summed gradients
+    (distkit.tokens.sum_gradients), each of the step's `pieces` (data-parallel ranks x
+    micro-batches) adds 1/pieces of it: the step adds the mean of the pieces' aux losses. That
+    is NOT exactly one process's on the whole batch (f_e P_e is a product of two means over a
+    piece's tokens); it is what Megatron and torchtitan compute by default (per micro-batch),
+    and a parity test must leave it out or compare the same pieces. Needs the forward's
+    output_router_logits=True; 0 for a dense model."""
+    aux = getattr(output, "aux_loss", None)
+    if aux is None:
+        return torch.zeros(())
+    return getattr(config, "router_aux_loss_coef", 0.0) * aux / pieces
+
+
 def describe(model) -> str:
     """One line: family, parameters (total and, for MoE, active per token), layers, tied."""
     p = parts(model)
