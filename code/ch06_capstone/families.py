@@ -267,8 +267,8 @@ def aux_loss_term(output, config, pieces: int) -> torch.Tensor:
     (distkit.tokens.sum_gradients), each of the step's `pieces` (data-parallel ranks x
     micro-batches) adds 1/pieces of it: the step adds the mean of the pieces' aux losses. That
     is NOT exactly one process's on the whole batch (f_e P_e is a product of two means over a
-    piece's tokens); it is what Megatron and torchtitan compute by default (per micro-batch),
-    and a parity test must leave it out or compare the same pieces. Needs the forward's
+    piece's tokens): a parity test must leave it out or compare the same pieces (a global
+    version would all-reduce f_e and P_e over the pieces first). Needs the forward's
     output_router_logits=True; 0 for a dense model."""
     aux = getattr(output, "aux_loss", None)
     if aux is None:
