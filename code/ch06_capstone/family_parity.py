@@ -3,8 +3,9 @@
     code/run_w_torchrun.sh 2 ch06_capstone/family_parity.py --json /tmp/family_parity.json
 
 For each family (families.py: Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Qwen3-MoE,
-Mixtral, each as a tiny config), the capstone's path from nothing to a sharded model: rank 0
-builds the full weights, every rank a skeleton on the meta device; fully_shard each decoder
+Mixtral, each as a tiny config), the capstone's path from nothing to a sharded model: full
+weights in host memory (every rank builds them here: they are also the one-process reference),
+a skeleton on the meta device; fully_shard each decoder
 layer, then the root (embedding, final norm, lm_head: one unit, so tied embeddings stay tied);
 to_empty, rank 0's weights handed out shard by shard, the buffers no state dict holds refilled
 (restore_buffers). Then two AdamW steps on a batch whose labels are masked as in chat
@@ -35,7 +36,8 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # families.py, next to this file
 import families  # noqa: E402
 from distkit import print0, setup, teardown, write_json  # noqa: E402
-from distkit.tokens import IGNORE, global_token_loss, global_valid_tokens, sum_gradients  # noqa: E402,E501
+from distkit.tokens import (IGNORE, global_token_loss, global_valid_tokens,  # noqa: E402
+                            sum_gradients)
 
 # Float32; only the order of additions differs from one process (two micro-batches, two ranks'
 # gradients reduce-scattered). Measured on 2 gloo ranks, every family: losses and gradients
@@ -119,8 +121,11 @@ for family in names:
         if normalisation == "global":  # NEW: the loss is divided by the global count: FSDP
             sum_gradients(model)  # must sum the ranks' gradients (divide factor 1), not average
         model.to_empty(device="cpu")
-        set_model_state_dict(model, dict(full_state) if rank == 0 else {}, options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=True))
+        # rank 0's weights, shard by shard (a copy of the dict: the broadcast writes into the
+        # dict it is given, and a second load from the same dict failed)
+        set_model_state_dict(model, dict(full_state) if rank == 0 else {},
+                             options=StateDictOptions(full_state_dict=True,
+                                                      broadcast_from_rank0=True))
         families.restore_buffers(model, config)
         parts = families.parts(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
