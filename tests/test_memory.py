@@ -90,6 +90,9 @@ def test_accumulation_without_sync_holds_every_fp32_gradient_unsharded():
     params = llama_params(128256, 4096, 14336, 32, 32, 8)
     assert kept["Unsharded Grad"] == 4 * params
     assert round(synced["Total"] / GiB, 1) == 40.8 and round(kept["Total"] / GiB, 1) == 70.7
+    # with a reduce-scatter per micro-batch, the earlier micro-batches' fp32 shards stay
+    shards = llama_training_bytes(c, **kw, accumulated=True)
+    assert shards["Sharded Grad"] == 4 * params // 64 and round(shards["Total"] / GiB, 1) == 41.3
 
 
 def test_llama_params_match_the_published_sizes():

@@ -413,7 +413,7 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
                          tensor_parallel: int = 1, pipeline_parallel: int = 1,
                          sequence_parallel: bool = False, in_flight: int = 1,
                          cpu_offload: bool = False, loss_chunks: int = 1,
-                         unsharded_grads: bool = False) -> dict:
+                         unsharded_grads: bool = False, accumulated: bool = False) -> dict:
     """Bytes on one FSDP2 rank at the peak of a training step, by FSDPMemTracker's categories.
 
     FSDP2 shards every decoder layer and the root over `ranks` (reshard_after_forward: layers
@@ -463,7 +463,12 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
       layers and root stays unsharded, in the reduce dtype (fp32, _fsdp_param.py,
       to_accumulated_grad_if_needed), from the first micro-batch's backward to the last's: 4
       bytes per parameter, not divided by the ranks, at every moment of the last micro-batch
-      (as pp > 1 adds them).
+      (as pp > 1 adds them);
+    - `accumulated` (gradient accumulation with a reduce-scatter per micro-batch, train_llama.py's
+      --sync-every-microbatch): the earlier micro-batches' fp32 gradient shards exist through
+      the last one's backward, 4 bytes per parameter / ranks at every moment.
+    Both checked against FSDPMemTracker on a small Llama, two micro-batches on 8 fake ranks
+    (tests/test_plan_cli.py, second_nproc): within 1 % of the tracked peak.
     Sizes in bytes per rank; FSDP2 pads shards to a multiple of `ranks` (ignored here: < 0.1 %).
     Checked against simulate_fsdp.py (tests/test_ch03_scripts.py) for fp32 and bf16, sdpa and
     eager, every checkpointing mode, t = 2 on one point; precision "amp" and pp > 1 are not.
@@ -533,6 +538,9 @@ def llama_training_bytes(config, *, ranks: int, seq: int, batch: int, precision:
     elif unsharded_grads:  # accumulation without sync: every fp32 gradient unsharded, held
         for v in moments.values():
             v["Unsharded Grad"] = (L * layer + root) * 4
+    elif accumulated:  # accumulation with sync: the earlier micro-batches' gradient shards
+        for v in moments.values():
+            v["Sharded Grad"] = (L * layer + root) * 4 // n
     host = ("Sharded Param", "OptState", "Sharded Grad") if cpu_offload else ()
     totals = {k: sum(b for c, b in {**base, **v}.items() if c not in host)
               for k, v in moments.items()}

@@ -79,7 +79,8 @@ def layout_peak_bytes(config, layout: Layout) -> float:
                       sequence_parallel=layout.sequence_parallel,
                       cpu_offload=layout.cpu_offload, loss_chunks=layout.loss_chunks,
                       unsharded_grads=layout.accumulation > 1
-                      and not layout.sync_every_microbatch)
+                      and not layout.sync_every_microbatch,
+                      accumulated=layout.accumulation > 1 and layout.sync_every_microbatch)
 
 
 def pipeline_peak_bytes(config, layout: Layout) -> dict:

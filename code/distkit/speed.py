@@ -538,7 +538,8 @@ def fsdp_threshold_tokens(eta: float, gpu: GPU, bandwidth: float, ac: str = "non
 def peak_bytes(config, *, gpus: int, seq: int, batch: int = 1, tp: int = 1, ac: str = "full",
                attn: str = "sdpa", pp: int = 1, replicate: int = 1,
                sequence_parallel: bool = False, cpu_offload: bool = False, loss_chunks: int = 1,
-               in_flight: float = 1, unsharded_grads: bool = False) -> float:
+               in_flight: float = 1, unsharded_grads: bool = False,
+               accumulated: bool = False) -> float:
     """Bytes one GPU allocates at the step's peak: the larger of two moments that never
     overlap. The backward's peak, `llama_training_bytes` (bf16 FSDP2 over the shard group,
     gpus / (tp pp replicate) ranks; gradients are set to None, so none exist in the forward);
@@ -553,7 +554,8 @@ def peak_bytes(config, *, gpus: int, seq: int, batch: int = 1, tp: int = 1, ac: 
                              precision="bf16", attn=attn, ac=ac, tensor_parallel=tp,
                              pipeline_parallel=pp, sequence_parallel=sequence_parallel,
                              cpu_offload=cpu_offload, loss_chunks=loss_chunks,
-                             in_flight=in_flight, unsharded_grads=unsharded_grads)
+                             in_flight=in_flight, unsharded_grads=unsharded_grads,
+                             accumulated=accumulated)
     return max(m["Total"], 0 if cpu_offload else optimizer_step_bytes(m))
 
 
