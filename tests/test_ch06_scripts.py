@@ -806,6 +806,54 @@ def test_past_a_bad_region_with_a_lower_lr(spiked, small):
 
 
 @pytest.mark.second_nproc
+def test_a_checkpoint_of_another_model_shape_is_one_line(small):
+    """faults.md 5c: a --resume with a model of another width (the same tokenizer and data)
+    failed inside DCP ("Size mismatch", 6 tracebacks). Progress.run now holds the model's
+    shape and is loaded first: one line naming both."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    tmp, args = small
+    out, narrow = tmp / "shape", tmp / "narrow"
+    args = [*args[:args.index("--max-steps") + 1], "3", *args[args.index("--max-steps") + 2:]]
+    run_ok(1, SCRIPT, *args, "--out", out, timeout=600)  # cpu-tiny: hidden 128
+    folder = corpus.cache_folder(tmp / "data", 300)
+    eos = corpus.facts(folder)["eos_id"]
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=192,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, bos_token_id=eos, eos_token_id=eos,
+                         pad_token_id=eos, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(narrow)
+    corpus.tokenizer(folder).save_pretrained(narrow)
+    proc = run_launcher(1, SCRIPT, *args, "--out", out, "--resume", "--model-path", narrow,
+                        timeout=600)
+    assert proc.returncode == 1
+    line = [ln for ln in proc.stderr.splitlines()
+            if ln.startswith("train_llama.py: the checkpoint's run had")]
+    assert line and ("model hidden_size 128, intermediate_size 384, num_hidden_layers 4, "
+                     "num_attention_heads 4, num_key_value_heads 2, vocab_size 300 (now "
+                     "hidden_size 64, intermediate_size 192") in line[0], proc.stderr
+    assert "Size mismatch" not in proc.stderr
+
+
+@pytest.mark.second_nproc
+def test_two_launches_at_once_into_one_folder(small):
+    """faults.md 4e: two launches into one new --out at the same moment both ran and both
+    exited 0, sharing checkpoints and metrics. Now one runs; the other is refused in one line
+    (the lock; or, if it came late enough, the previous run's files)."""
+    from concurrent.futures import ThreadPoolExecutor
+    tmp, args = small
+    out = tmp / "twice"
+    args = [*args[:args.index("--max-steps") + 1], "4", *args[args.index("--max-steps") + 2:]]
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(lambda _: run_launcher(1, SCRIPT, *args, "--out", out,
+                                                     timeout=600), range(2)))
+    assert sorted(p.returncode for p in procs) == [0, 1], [p.stderr for p in procs]
+    refused = next(p for p in procs if p.returncode)
+    assert (f"--out {out} is in use by another run (host " in refused.stderr
+            or f"--out {out} holds a previous run" in refused.stderr), refused.stderr
+    assert [r["step"] for r in rows_of(out)] == [0, 1, 2, 3, 4]  # one run's rows, once each
+
+
+@pytest.mark.second_nproc
 def test_an_evaluation_that_overflows_is_a_non_finite_stop(small, inject):
     """faults.md 3e: with the spike guard off, the bad update of step 6 meets the held-out
     evaluation of step 6: math.exp(eval loss) overflowed (exit 1, no failed.json, so the
