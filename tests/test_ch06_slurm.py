@@ -175,3 +175,18 @@ def test_submitted_from_elsewhere_one_line_and_status_2(fake_slurm):
     assert proc.returncode == 2 and not (tmp_path / "srun").exists()
     assert proc.stderr.strip().splitlines() == [
         "train_llama.sbatch: submit it from the repository's root"]
+
+
+def test_cluster_install_line_pins_the_courses_versions():
+    """docs/cluster.md's install line for a cluster whose admins provide torch pins what the
+    capstone imports (besides torch) at requirements.txt's versions: a bump of requirements.txt
+    that the page misses fails here."""
+    import re
+    from conftest import ROOT
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$",
+                           (ROOT / "requirements.txt").read_text(), re.M))
+    line = next(ln for ln in (ROOT / "docs" / "cluster.md").read_text().splitlines()
+                if ln.strip().startswith("pip install numpy=="))
+    given = dict(re.findall(r"([A-Za-z0-9_.-]+)==(\S+)", line))
+    assert set(given) == {"numpy", "psutil", "safetensors", "tokenizers", "tqdm", "transformers"}
+    assert given == {name: pins[name] for name in given}
