@@ -94,6 +94,7 @@ def test_notebook_at_three_processes(tmp_path):
     assert "every parameter's first dimension divides by N = 3: False" in text
     assert "max |loss - reference| < 1e-05: True" in text
     assert "|loss - reference| < 1e-05: False" not in text
+    assert "gradient gap < 1e-05: True (1.00x)" in text and "gap < 1e-05: False" not in text
     assert "fsdp2-bf16  max |loss - reference| < 0.01: True" in text
     assert "same bytes as the stored sweep: True" in text
     assert re.search(r"70b on 64 [ .0-9]+ live\\n", text), "70B not simulated live"  # JSON text

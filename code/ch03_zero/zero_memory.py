@@ -29,6 +29,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit import print0, seed_everything, setup, teardown, write_json
+from distkit.dist import grad_check, grad_norms
 from distkit.memory import FP32_ADAMW, by_category, model_state_bytes, storage_bytes
 from distkit.toy import counting_data, tiny_llama
 
@@ -105,6 +106,8 @@ def run(strategy: str) -> dict:
             loss, end_of_forward, at_rest, peak = tracked_step(model, optimizer, fsdp)
             # (DDP's gradients; FSDP2's DTensor gradients the tracker sees itself)
             grads_held = 0 if fsdp else storage_bytes(p.grad for p in model.parameters())
+            # step 1's gradients, to compare with one process's (AdamW hides a constant factor)
+            step1_grads = grad_norms(model)
         else:
             loss = model(input_ids=mine, labels=mine).loss
             loss.backward()
@@ -126,7 +129,7 @@ def run(strategy: str) -> dict:
         got = {"params at rest": at_rest["Parameter"], "params in use": end_of_forward["Parameter"],
                "grads": grads_held, "optimizer": at_rest["Optstate"]}
     return {"losses": losses, "measured": got, "end_of_forward": end_of_forward,
-            "at_rest": at_rest, "peak": peak}
+            "at_rest": at_rest, "peak": peak, "grad_norms": step1_grads}
 
 
 def predicted(strategy: str) -> dict:
@@ -145,18 +148,21 @@ def predicted(strategy: str) -> dict:
             "params in use": in_use, "grads": model["grads"], "optimizer": model["optimizer"]}
 
 
-def reference() -> list[float]:
-    """One process, the whole global batch, plain AdamW: the losses every strategy must give."""
+def reference() -> tuple[list[float], dict]:
+    """One process, the whole global batch, plain AdamW: the losses every strategy must give,
+    and step 1's gradient norms."""
     model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     losses = []
-    for _ in range(args.steps):
+    for step in range(args.steps):
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        if step == 0:
+            grads = grad_norms(model)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, grads
 
 
 env = setup()
@@ -169,7 +175,7 @@ root_params = num_params - sum(p.numel() for p in full.model.layers.parameters()
 # The formulas assume shards of exactly Psi / N. FSDP2 pads each parameter's first dimension up
 # to a multiple of N, and ZeRO-1 hands out whole tensors: both add bytes when N does not divide.
 divides = all(p.shape[0] % env.world_size == 0 for p in full.parameters())
-single = reference()
+single, single_grads = reference()
 results = {strategy: run(strategy) for strategy in strategies}
 every_rank = [None] * env.world_size
 dist.all_gather_object(every_rank, results)
@@ -186,11 +192,15 @@ for strategy in strategies:
                                        for c in CATEGORIES) + f"   {close}")
     results[strategy]["predicted"] = want
 print0(f"every parameter's first dimension divides by N = {env.world_size}: {divides}")
-print0("losses of every strategy vs one process on the whole batch (3 steps):")
+print0("losses of every strategy vs one process on the whole batch (3 steps), and step 1's "
+       "gradients (gap: largest difference / largest norm):")
 for strategy in strategies:
     diff = max(abs(a - b) for a, b in zip(results[strategy]["losses"], single))
     tol = 1e-2 if strategy == "fsdp2-bf16" else 1e-5  # bf16 rounds every matmul's inputs
-    print0(f"  {strategy:11s} max |loss - reference| < {tol:g}: {diff < tol}")
+    grads = grad_check(results[strategy]["grad_norms"], single_grads)
+    results[strategy]["grad_gap"] = grads["gap"]
+    print0(f"  {strategy:11s} max |loss - reference| < {tol:g}: {diff < tol}; "
+           f"gradient gap < {tol:g}: {grads['gap'] < tol} ({grads['scale']:.2f}x)")
 write_json(args.json, {"world_size": env.world_size, "num_params": num_params,
                        "num_tensors": len(list(build().parameters())),
                        "batch_size": args.batch_size, "layers": args.layers,
