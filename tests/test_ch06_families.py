@@ -129,6 +129,7 @@ def check(results, normalisations):
         assert res["global"]["parity"], (family, res["global"])
         assert res["global"]["still_tied"] == res["tied"] == (family in TIED)
         assert res["global"]["max_grad_diff"] < 1e-6
+        assert res["global"]["resumed_bit_identical"], family
         valid = res["global"]["valid_tokens_per_rank_and_micro_batch"]
         assert len({v for rank in valid for v in rank}) == 4  # unequal everywhere
     for normalisation in normalisations:
@@ -142,7 +143,8 @@ def check(results, normalisations):
 def test_every_family_equals_one_process_on_two_ranks(tmp_path):
     """One launch, every family: FSDP2 on 2 ranks, masked labels with unequal valid tokens per
     rank and micro-batch = one process (losses of 2 steps, every step-1 gradient); tied
-    embeddings stay tied; on Qwen2 (tied) the mean of means and the missing divide factor fail.
+    embeddings stay tied; resumed from step 1's checkpoint, step 2 is bit-identical; on Qwen2
+    (tied) the mean of means and the missing divide factor fail.
     (All eight families cost ~2.5 CPU-s more than Qwen2 alone: the launch's imports dominate.)"""
     results, out = run_json(tmp_path, 2, "ch06_capstone/family_parity.py")
     assert set(results["families"]) == set(families.FAMILIES)

@@ -16,18 +16,22 @@ The loss (distkit.tokens): each micro-batch's sum of token losses divided by the
 the whole step (every rank, every micro-batch), and FSDP told to sum the ranks' gradients
 (divide factor 1). It must equal one process training on the whole batch: the loss of both
 steps and every parameter's gradient after step 1 (AdamW hides a constant factor on the
-gradients: the gradients do not). Two wrong answers run on one family (--wrong-on), and must
-fail:
+gradients: the gradients do not). And each resumes: a Distributed Checkpoint after step 1,
+loaded into a freshly built sharded model (no weights from rank 0), gives step 2 bit for bit.
+Two wrong answers run on one family (--wrong-on), and must fail:
 "mean" (each micro-batch's mean / micro-batches, FSDP averaging the ranks: the mean of means)
 and "no-factor" (the global loss, but FSDP still divides by the ranks: gradients 1/N of one
 process's).
 """
 import argparse
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -36,6 +40,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # families.py, next to this file
 import families  # noqa: E402
 from distkit import print0, setup, teardown, write_json  # noqa: E402
+from distkit.ckpt import AppState  # noqa: E402
 from distkit.tokens import (IGNORE, global_token_loss, global_valid_tokens,  # noqa: E402
                             sum_gradients)
 
@@ -94,6 +99,55 @@ def grads_of(model) -> dict:
             for n, p in model.named_parameters()}
 
 
+def sharded(config, normalisation: str, full_state: dict | None):
+    """The capstone's path: skeleton, fully_shard units, divide factor, to_empty, rank 0's
+    weights (if given: else the caller loads a checkpoint), the buffers."""
+    model = families.skeleton(config)
+    for unit in families.fsdp_units(model):  # the layers, then the root (embed + lm_head)
+        fully_shard(unit)
+    if normalisation == "global":  # NEW: the loss is divided by the global count: FSDP
+        sum_gradients(model)  # must sum the ranks' gradients (divide factor 1), not average
+    model.to_empty(device="cpu")
+    if full_state is not None:
+        # rank 0's weights, shard by shard (a copy of the dict: the broadcast writes into the
+        # dict it is given, and a second load from the same dict failed)
+        set_model_state_dict(model, dict(full_state) if rank == 0 else {},
+                             options=StateDictOptions(full_state_dict=True,
+                                                      broadcast_from_rank0=True))
+    families.restore_buffers(model, config)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_step(model, optimizer, step: int, normalisation: str):
+    """One step on this rank's share: 2 micro-batches, then AdamW. Returns (the step's loss,
+    this rank's valid labels per micro-batch, the gradients before the update)."""
+    x, y = inputs[step, mine], labels[step, mine]
+    micro = list(zip(x.split(G // N // 2), y.split(G // N // 2)))
+    count = global_valid_tokens([b for _, b in micro])  # NEW: every rank, every micro-batch
+    share = torch.zeros(())
+    for xb, yb in micro:
+        logits = model(input_ids=xb).logits
+        if normalisation == "mean":  # wrong: this micro-batch's mean, averaged
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), yb.flatten(), ignore_index=IGNORE) / len(micro)
+        else:
+            loss = global_token_loss(logits, yb, count)
+        loss.backward()
+        share += loss.detach()
+    grads = grads_of(model)
+    optimizer.step()
+    optimizer.zero_grad()
+    dist.all_reduce(share)  # the shares add up to the step's loss; for "mean", N x the mean
+    return share.item() / (N if normalisation == "mean" else 1), \
+        [int((b != IGNORE).sum()) for _, b in micro], grads
+
+
+def weights(model) -> dict:
+    return {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+
+
+ckpt_root = [tempfile.mkdtemp(prefix="family_parity-") if rank == 0 else None]
+dist.broadcast_object_list(ckpt_root)  # one folder for every rank (one machine here)
 results = {}
 for family in names:
     config = families.tiny_config(family, vocab_size=VOCAB, seq_len=S)
@@ -115,45 +169,17 @@ for family in names:
 
     results[family] = {"tied": families.parts(reference).tied}
     for normalisation in ["global"] + (wrong if family == args.wrong_on else []):
-        model = families.skeleton(config)
-        for unit in families.fsdp_units(model):  # the layers, then the root (embed + lm_head)
-            fully_shard(unit)
-        if normalisation == "global":  # NEW: the loss is divided by the global count: FSDP
-            sum_gradients(model)  # must sum the ranks' gradients (divide factor 1), not average
-        model.to_empty(device="cpu")
-        # rank 0's weights, shard by shard (a copy of the dict: the broadcast writes into the
-        # dict it is given, and a second load from the same dict failed)
-        set_model_state_dict(model, dict(full_state) if rank == 0 else {},
-                             options=StateDictOptions(full_state_dict=True,
-                                                      broadcast_from_rank0=True))
-        families.restore_buffers(model, config)
+        model, optimizer = sharded(config, normalisation, full_state)
         parts = families.parts(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses, valid = [], []
-        for step in range(2):
-            x, y = inputs[step, mine], labels[step, mine]
-            micro = list(zip(x.split(G // N // 2), y.split(G // N // 2)))
-            count = global_valid_tokens([b for _, b in micro])  # NEW: every rank, every micro
-            share = torch.zeros(())
-            for xb, yb in micro:
-                logits = model(input_ids=xb).logits
-                if normalisation == "mean":  # wrong: this micro-batch's mean, averaged
-                    loss = torch.nn.functional.cross_entropy(
-                        logits.flatten(0, 1), yb.flatten(), ignore_index=IGNORE) / len(micro)
-                else:
-                    loss = global_token_loss(logits, yb, count)
-                loss.backward()
-                share += loss.detach()
-            if step == 0:
-                errors = {n: (g - single_grads[n]).abs().max().item()
-                          for n, g in grads_of(model).items()}
-                scale = (torch.cat([g.flatten() for g in grads_of(model).values()]).norm()
-                         / torch.cat([g.flatten() for g in single_grads.values()]).norm()).item()
-                valid = [int((b != IGNORE).sum()) for _, b in micro]
-            optimizer.step()
-            optimizer.zero_grad()
-            dist.all_reduce(share)  # the shares add up to the step's loss; for "mean", N x
-            losses.append(share.item() / (N if normalisation == "mean" else 1))  # the mean
+        first, valid, grads = train_step(model, optimizer, 0, normalisation)
+        errors = {n: (g - single_grads[n]).abs().max().item() for n, g in grads.items()}
+        scale = (torch.cat([g.flatten() for g in grads.values()]).norm()
+                 / torch.cat([g.flatten() for g in single_grads.values()]).norm()).item()
+        if normalisation == "global":  # a checkpoint after step 1, resumed by a fresh model
+            folder = f"{ckpt_root[0]}/{family}"
+            dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=folder)
+        second = train_step(model, optimizer, 1, normalisation)[0]
+        losses = [first, second]
         per_rank = [None] * N
         dist.all_gather_object(per_rank, valid)
         loss_diff = max(abs(a - b) for a, b in zip(losses, single))
@@ -164,6 +190,15 @@ for family in names:
             "valid_tokens_per_rank_and_micro_batch": per_rank,
             "still_tied": parts.lm_head.weight is parts.embed.weight,
             "parity": loss_diff < LOSS_TOL and grad_diff < GRAD_TOL}
+        if normalisation == "global":  # resume: step 2 again, from the checkpoint
+            resumed, resumed_opt = sharded(config, normalisation, None)
+            dcp.load({"app": AppState(resumed, resumed_opt)}, checkpoint_id=folder)
+            again = train_step(resumed, resumed_opt, 1, normalisation)[0]
+            after, after_resumed = weights(model), weights(resumed)
+            results[family]["global"]["resumed_bit_identical"] = again == second and all(
+                torch.equal(after[n], after_resumed[n]) for n in after)
+if rank == 0:
+    shutil.rmtree(ckpt_root[0], ignore_errors=True)
 
 print0(f"{N} ranks x 2 micro-batches; valid labels of step 1 per rank and micro-batch: "
        f"{results[names[0]]['global']['valid_tokens_per_rank_and_micro_batch']} (one process: "
@@ -186,6 +221,9 @@ for family, res in results.items():
 ok = all(r["parity"] == (n == "global") for res in results.values()
          for n, r in res.items() if n in NORMALISATIONS)
 ok = ok and all(res["global"]["still_tied"] == res["tied"] for res in results.values())
+resumed = all(res["global"]["resumed_bit_identical"] for res in results.values())
+print0(f"every family resumed from step 1's checkpoint: step 2 bit-identical: {resumed}")
+ok = ok and resumed
 print0(f"every family equals one process, every wrong answer fails: {ok}")
 write_json(args.json, {"world_size": N, "families": results, "ok": ok,
                        "tolerances": {"loss": LOSS_TOL, "grad": GRAD_TOL}})
