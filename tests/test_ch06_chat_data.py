@@ -89,6 +89,10 @@ def test_assistant_tokens_prefix_by_prefix_equal_generation_marks(tokenizers):
     runs += [current] if current else []
     assert [tok.decode(r) for r in runs] == [SENTENCES[2] + "<|im_end|>\n",
                                             SENTENCES[4] + "<|im_end|>\n"]
+    # the assistant speaks first: its turn's header is not trained on, as in the marked template
+    first = [CONVERSATION[2], CONVERSATION[3]]
+    assert chat_data.encode(tokenizers["plain"], first) == chat_data.encode(
+        tokenizers["marked"], first)
     labels = chat_data.shifted_labels(ids, mask)
     assert sum(y != IGNORE for y in labels) == sum(mask)  # (the first token is never the
     # assistant's: every target is a masked token)

@@ -125,8 +125,23 @@ def _render(tokenizer, messages, where: str = "", **kw):
     try:
         return tokenizer.apply_chat_template(messages, **{"tokenize": False, **kw})
     except TemplateError as e:
-        raise BadRecord(f"{where}: the chat template refused it: {str(e).splitlines()[0]}") \
-            from None
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise BadRecord(f"{where}: the chat template refused it: {why}") from None
+
+
+def _opening(tokenizer, upto: str) -> str:
+    """The text before an opening assistant turn's content: up to the end of the generation
+    prompt (what add_generation_prompt adds after a user turn, e.g. "<|im_start|>assistant\n"),
+    found in `upto`, the rendering of that turn alone; "" if the template shows none."""
+    user = [{"role": "user", "content": "x"}]
+    try:
+        plain = _render(tokenizer, user)
+        prompt = _render(tokenizer, user, add_generation_prompt=True)
+    except BadRecord:
+        return ""
+    header = prompt[len(plain):] if prompt.startswith(plain) else ""
+    at = upto.find(header) if header else -1
+    return upto[:at + len(header)] if at >= 0 else ""
 
 
 def assistant_spans(tokenizer, messages, where: str = "") -> tuple[str, list[tuple[int, int]]]:
@@ -137,7 +152,10 @@ def assistant_spans(tokenizer, messages, where: str = "") -> tuple[str, list[tup
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], where, add_generation_prompt=True) if i else ""
+        if i:
+            before = _render(tokenizer, messages[:i], where, add_generation_prompt=True)
+        else:  # the assistant speaks first: the template's opening and the assistant's header
+            before = _opening(tokenizer, _render(tokenizer, messages[:1], where))
         upto = _render(tokenizer, messages[:i + 1], where)
         if not (text.startswith(upto) and upto.startswith(before)):
             raise BadRecord(f"{where}: the chat template renders turn {i} differently once "
