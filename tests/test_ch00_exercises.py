@@ -3,10 +3,11 @@ copied over its starter, passes; each wrong answer a learner plausibly writes fa
 that points at the mistake.
 
 `make test`: each exercise's headline wrong answer and a launch error's line at 2 ranks, launched
-side by side (each launch imports torch only: ~4 CPU-s for 2 ranks; 00.3's checker launches
-twice, a size N divides and one it does not). `make test-nproc` (marker second_nproc): the five
-other wrong answers at 2 ranks, the solutions at 3 ranks. tests/test_ch00_scripts.py runs
-each starter to its first TODO; tests/test_exercises.py checks the untouched starters.
+side by side (each launch imports torch only: ~4 CPU-s for 2 ranks); 00.3's is an all-reduce and
+a slice, every number right, caught by the count of its collectives. `make test-nproc` (marker
+second_nproc): the six other wrong answers at 2 ranks, the solutions at 3 ranks.
+tests/test_ch00_scripts.py runs each starter to its first TODO; tests/test_exercises.py checks
+the untouched starters.
 """
 import pytest
 
@@ -28,9 +29,6 @@ def wrong(tmp_path_factory):
         # a name never defined: the launch fails, and the line names where
         "mean_name_error": ("00.2", ("exact = (stats[0] / stats[1]).item()",
                                      "exact = (stats[0] / count).item()")),
-        # 00.3: the ceiling off by one where N divides numel
-        "halves_off_by_one": ("00.3", ("shard = -(-args.numel // n)",
-                                       "shard = args.numel // n + 1")),
         # 00.3: DDP's sync, an all-reduce and a slice: every number right, not the two halves
         "halves_allreduce_slice": ("00.3", ("dist.reduce_scatter_single(mine, padded)",
                                             "dist.all_reduce(padded)\n"
@@ -47,6 +45,9 @@ def more_wrong(tmp_path_factory):
         "naive_recv_into_x": ("00.1", ("dist.recv(total, src=0)", "dist.recv(x, src=0)")),
         # 00.2: (a) summed but not divided by N
         "means_not_divided": ("00.2", ("mean_of_means /= env.world_size", None)),
+        # 00.3: the ceiling off by one where N divides numel
+        "halves_off_by_one": ("00.3", ("shard = -(-args.numel // n)",
+                                       "shard = args.numel // n + 1")),
         # 00.3: rounded down / padding left on
         "halves_floor": ("00.3", ("shard = -(-args.numel // n)", "shard = args.numel // n")),
         "halves_padding_kept": ("00.3", ("total = gathered[:args.numel]", "total = gathered")),
@@ -124,9 +125,10 @@ def test_an_error_in_the_learners_file_names_its_line(wrong):
 
 # --- 00.3: all-reduce from its halves --------------------------------------------------------
 
-def test_halves_off_by_one_is_named(wrong):
+@pytest.mark.second_nproc
+def test_halves_off_by_one_is_named(more_wrong):
     """The ceiling written as numel // N + 1 is right unless N divides numel (1002 here)."""
-    assert failed(wrong, "halves_off_by_one") == (
+    assert failed(more_wrong, "halves_off_by_one") == (
         "FAIL [2 ranks] numel 1002: shard is 502 elements and padding 2: the fewest elements "
         "per rank that hold 1002 between 2 ranks is 501 (rounded up, not down + 1)")
 

@@ -1,4 +1,6 @@
 """Exercise checks for chapter 08 (planning a run); see distkit/course/checks/__init__.py."""
+import functools
+
 from distkit.course.exercise import exercise
 
 GiB = 2**30
@@ -7,11 +9,14 @@ H100_GIB, H200_GIB = 81559 / 1024, 143771 / 1024
 CASES = (("70b", 8192, H100_GIB), ("8b", 32768, H100_GIB), ("70b", 8192, H200_GIB))
 
 
-def preferred(config, seq, gib, per_node=8, max_gpus=4096):
+@functools.cache  # the same 18 cases for every file checked in this process (tests: several)
+def preferred(model, seq, gib, per_node=8, max_gpus=4096):
     """The checker's own answer, written apart from the solution: the fewest whole nodes, then
     the smallest tp, then the least recomputation, that fits (None: nothing up to max_gpus)."""
+    from distkit.memory import LLAMA_CONFIGS
     from distkit.plan import fits
     from distkit.speed import peak_bytes
+    config = LLAMA_CONFIGS[model]
     settings = [(tp, ac) for tp in (1, 2, 4, 8) for ac in ("none", "selective", "full")]
     for gpus in range(per_node, max_gpus + 1, per_node):
         for tp, ac in settings:  # in the order of preference
@@ -61,7 +66,7 @@ def check_fewest_gpus(run):
             f"{what}: {gpus - 8} GPUs fit as well ({fewer[:1]}): not the fewest"
     wrong = []
     for model, seq, gib, answer in res["answers"]:
-        want = preferred(LLAMA_CONFIGS[model], seq, gib)
+        want = preferred(model, seq, gib)
         if answer != want:
             wrong.append((f"{model} at {seq} on {gib:.1f} GiB GPUs", answer, want))
     what, answer, want = wrong[0] if wrong else ("", None, None)
