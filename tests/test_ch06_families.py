@@ -17,6 +17,7 @@ from distkit.tokens import IGNORE, global_token_loss  # noqa: E402
 TIED = {"qwen2", "gemma2", "gemma3_text"}
 
 
+@pytest.mark.second_nproc  # make test's family_parity launch trains every family already
 def test_each_family_builds_and_trains_on_cpu():
     """Every tiny config: the parts the recipe shards, a forward + backward with real
     cross-entropy on shifted, partly masked labels (about ln(vocab) at the start, finite), a

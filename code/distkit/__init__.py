@@ -36,6 +36,8 @@ Submodules that lesson scripts import, where needed (the lesson layer: small, re
   timeline on an ideal machine, bubbles, in-flight micro-batches, a recording stage.
 - `distkit.plan3d`: chapter 10's composed layouts: collectives by mesh dimension (`MeshLog`),
   torchtitan's degrees and names (`Composed`), chapter 08's planner with schedules and float8.
+- `distkit.tokens`: the capstone's loss under sharding: a sum over valid tokens divided by the
+  whole step's valid-token count (every rank, micro-batch and context shard), gradients summed.
 
 The course's own tooling lives in `distkit.course` (notebook launcher, plots, `make` targets,
 website, exercise checkers, diagrams); lesson scripts never import it.
