@@ -52,6 +52,11 @@ def at_3(tmp_path_factory):
         # step takes the first micro-batch's gradients alone
         "accum_sync_first": ("04.2", ("model.set_requires_gradient_sync(k == K - 1)",
                                       "model.set_requires_gradient_sync(k == 0)")),
+        # the log divided by K, the backward not: K-fold gradients, which AdamW trains like the
+        # right ones (every loss within 1e-5 of one process's); step 1's gradients show it
+        "accum_k_in_log_only": ("04.2", [
+            (".loss / K", "loss = model(input_ids=micro[k], labels=micro[k]).loss"),
+            ("total += loss.detach()", "total += loss.detach() / K")]),
         # divided by N as well, as by hand in DDP: FSDP's reduce-scatter already averages
         "accum_over_n": ("04.2", (".loss / K", "loss = model(input_ids=micro[k], "
                                                "labels=micro[k]).loss / (K * env.world_size)")),
@@ -104,6 +109,10 @@ def test_at_3_ranks_solutions_pass_and_wrong_answers_are_named(at_3):
                          "reference's on ranks [0, 1, 2]: model.rotary_emb.inv_freq, "
                          "model.rotary_emb.original_inv_freq are in no state dict, so they must "
                          "be recomputed")
+    ok, lines, _ = at_3["accum_k_in_log_only"]
+    assert not ok
+    assert lines[-1] == ("FAIL [3 ranks] sync every micro-batch: step 1's gradients are 4.00x "
+                         "one process's: is the loss you call backward() on divided by K?"), lines
     ok, lines, _ = at_3["accum_always_sync"]
     assert not ok
     assert lines[-1] == ("FAIL [3 ranks] sync on the last only: [12] reduce-scatters per step, "

@@ -38,6 +38,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from distkit import print0, seed_everything, setup, teardown, todo, write_json
+from distkit.dist import grad_check, grad_norms
 from distkit.toy import counting_data, tiny_llama
 
 # Against one process: float32 rounding differs (micro-batch gradients summed in another order);
@@ -94,6 +95,8 @@ single_losses = []
 for step in range(args.steps):
     loss = model(input_ids=batches[step], labels=batches[step]).loss
     loss.backward()
+    if step == 0:  # step 1's gradients: AdamW's steps ignore a constant factor, the losses too
+        single_grads = grad_norms(model)
     reference.step()
     reference.zero_grad()
     single_losses.append(loss.item())
@@ -122,6 +125,8 @@ for mode in ("every", "last"):  # reduce-scatter after every micro-batch / after
                 loss.backward()
             calls.update(collective_counts(comm))
             total += loss.detach()
+        if step == 0:  # a K-fold gradient trains like the right one under AdamW: compare them
+            grads = grad_check(grad_norms(model), single_grads)
         optimizer.step()
         optimizer.zero_grad()
         dist.all_reduce(total)  # the mean over every rank's sequences, for the log
@@ -129,7 +134,7 @@ for mode in ("every", "last"):  # reduce-scatter after every micro-batch / after
         counts.append(dict(calls))
     max_diff = max(abs(x - y) for x, y in zip(losses, single_losses))
     results[mode] = {"losses": losses, "counts": counts, "max_loss_diff": max_diff,
-                     "parity": max_diff < LOSS_TOL}
+                     "parity": max_diff < LOSS_TOL, "grad_check": grads}
 
 units = len(model.model.layers) + 1  # FSDP units: one per decoder layer, plus the root
 print0(f"{K} micro-batches per optimizer step, {units} FSDP units, {N} processes")

@@ -1,6 +1,6 @@
 """Exercise checks for chapter 04 (FSDP2); see distkit/course/checks/__init__.py."""
 from distkit.course.exercise import Fail, exercise
-from distkit.course.checks import losses_match
+from distkit.course.checks import gradient_matches, losses_match
 
 
 @exercise("04.1", "ch04_fsdp2/exercises/ex04_meta_init.py")
@@ -55,3 +55,13 @@ def grad_accum(run):
             failed += (f": {first:.2f}x: is the loss divided by more than K? (FSDP's "
                        "reduce-scatter already averages over the ranks)")
         yield ok, passed, failed
+        # AdamW divides a constant scale out of its steps: a backward of the unscaled loss (the
+        # log divided by K) trains like the right one; step 1's gradients show it
+        if "grad_check" not in r:  # a file from before the gradient check (the starter changed)
+            yield (False, "", "this file does not compare step 1's gradients: copy the "
+                   "grad_norms / grad_check lines from the current starter (git diff shows them)")
+            return
+        yield gradient_matches(r["grad_check"], 1e-5, "step 1's gradients",
+                               "is the loss you call backward() on divided by K?",
+                               "the gradients of a step were not those of the whole batch",
+                               label=f"{label}: ")
