@@ -51,10 +51,25 @@ def halved(tmp_path_factory):
         # a pipeline's ranks hold stages, not data shards: no / N
         "gpipe_over_world": ("02.1", ("out = lm_loss(out, micro[i]) / m",
                                       "out = lm_loss(out, micro[i]) / (m * env.world_size)")),
+        # the log divided by m, the backward not: m-fold gradients, which AdamW trains like the
+        # right ones (every loss within 1e-4 of one process's); step 1's gradients show it
+        "gpipe_m_in_log_only": ("02.1", [
+            ("out = lm_loss(out, micro[i]) / m", "out = lm_loss(out, micro[i])"),
+            ("losses.append(sum(out.item() for out in outputs))",
+             "losses.append(sum(out.item() for out in outputs) / m)")]),
         # f's backward averages the partial input gradients instead of adding them up
         "megatron_f_mean": ("02.2", ("return all_reduce(grad.clone())",
                                      "return all_reduce(grad.clone()) / dist.get_world_size()")),
     }, tmp_path_factory.mktemp("ch02_halved"))
+
+
+@pytest.mark.second_nproc
+def test_gpipe_scaled_in_the_log_only_is_named_by_its_gradients(halved):
+    ok, lines, _ = halved["gpipe_m_in_log_only"]
+    assert not ok
+    assert any(ln.startswith("PASS [2 ranks] losses = naive_split.py's") for ln in lines), lines
+    assert lines[-1] == ("FAIL [2 ranks] step 1's gradients, every stage's are 4.00x one "
+                         "process's: is the loss you call backward() on divided by m?"), lines
 
 
 @pytest.mark.second_nproc

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, RandomSampler
 
 from distkit import print0, seed_everything, setup, teardown, todo, write_json
+from distkit.dist import grad_norms
 from distkit.pipe import LlamaStage, Timeline, lm_loss, split_layers
 from distkit.toy import counting_data, tiny_llama
 
@@ -93,6 +94,8 @@ for epoch in range(args.epochs):
             todo("the backward of micro-batch i")
         for work in sends:  # a buffer must not be freed before its send is done
             work.wait()
+        if epoch == step == 0:  # step 1's gradients, every stage's: AdamW hides a constant factor
+            grads = grad_norms(model, gather=True)
         optimizer.step()
         optimizer.zero_grad()
         if is_last:
@@ -104,5 +107,6 @@ for epoch in range(args.epochs):
 spans = timeline.gather()
 box = [losses]
 dist.broadcast_object_list(box, src=env.world_size - 1)
-write_json(args.json, {"losses": box[0], "microbatches": m, "spans": spans})
+write_json(args.json, {"losses": box[0], "microbatches": m, "spans": spans,
+                       "grad_norms": grads})
 teardown()

@@ -1,6 +1,6 @@
 """Exercise checks for chapter 02 (model parallelism); see distkit/course/checks/__init__.py."""
 from distkit.course.exercise import Fail, exercise
-from distkit.course.checks import losses_match, whole_factor
+from distkit.course.checks import gradient_matches, losses_match, whole_factor
 
 
 @exercise("02.1", "ch02_model_parallel/exercises/ex02_gpipe_by_hand.py")
@@ -8,8 +8,9 @@ def gpipe(run):
     layers = 3 if run.nproc == 3 else 2  # every stage as many decoder layers
     m, batch, samples = 4, 16, 64
     args = ("--microbatches", m, "--layers", layers, "--samples", samples, "--epochs", 1)
-    single = run.single("ch02_model_parallel/naive_split.py", "--layers", layers,
-                        "--samples", samples, "--epochs", 1)["losses"]
+    reference = run.single("ch02_model_parallel/naive_split.py", "--layers", layers,
+                           "--samples", samples, "--epochs", 1)
+    single = reference["losses"]
     try:
         res = run(*args)
     except Fail as fail:  # a received activation that does not require grad: no grad to send
@@ -23,6 +24,18 @@ def gpipe(run):
                        scaled="is each micro-batch's loss divided by m?",
                        divided="is the loss divided by more than m? (a pipeline's ranks hold "
                        "stages, not shards of the data: no division by the world size)")
+    # AdamW divides a constant scale out of its steps: a backward of the unscaled loss with the
+    # log divided by m trains like the right one; step 1's gradients show it
+    from distkit.dist import grad_check  # (imports torch: only this check needs it)
+    if "grad_norms" not in res:  # a file from before the gradient check (the starter changed)
+        yield (False, "", "this file does not record step 1's gradients: copy the grad_norms "
+               "lines from the current starter (git diff shows them)")
+        return
+    yield gradient_matches(grad_check(res["grad_norms"], reference["grad_norms"]), 1e-4,
+                           "step 1's gradients, every stage's",
+                           "is the loss you call backward() on divided by m?",
+                           "the gradients of a step were not those of the whole batch",
+                           divided_hint="is the loss divided by more than m?")
     steps = samples // batch
     forwards = [sum(s[0] == "F" for s in spans) for spans in res["spans"]]
     yield (forwards == [m * steps] * run.nproc,
