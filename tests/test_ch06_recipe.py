@@ -73,6 +73,27 @@ def test_standalone_recipe_resumes_on_another_world_size(runs):
     assert max(abs(before[s][0] - after[s][0]) for s in after) < 1e-5
 
 
+@pytest.mark.second_nproc
+def test_standalone_recipe_refuses_when_no_checkpoint_loads(runs):
+    """faults.md 5b in the recipe: every checkpoint damaged (a truncated shard in step 6's, no
+    .metadata in step 3's): --resume stops, naming each and why, and changes nothing."""
+    tmp, tokens, _ = runs
+    out = tmp / "damaged"
+    shutil.copytree(tmp / "recipe", out)
+    shard = out / "checkpoints" / "step_000006" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    (out / "checkpoints" / "step_000003" / ".metadata").unlink()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = run_launcher(1, "ch06_capstone/fsdp2_recipe.py", *SETTINGS, "--tokens", tokens,
+                        "--out", out, "--resume", timeout=600)
+    assert proc.returncode == 1
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("fsdp2_recipe.py: --resume")]
+    assert line and line[0].startswith("fsdp2_recipe.py: --resume: 2 checkpoint(s), none loads "
+                                       "(step_000006: ") and line[0].endswith(
+        "; step_000003: no .metadata (the save never finished)); nothing changed"), proc.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_defaults_observed(runs):
     """M6/C4: the defaults do what --help says. reshard_after_forward: each of the L = 4 layers
     is gathered again in backward, 2L + 1 = 9 all-gathers per micro-batch (the root stays

@@ -169,10 +169,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                             "5%%)")
     group.add_argument("--save-every", type=int, metavar="STEPS", default=0,
                        help="optimizer steps between checkpoints (default 0: only when stopped "
-                            "by a signal). Step K's checkpoint is committed once the next "
-                            "step's loss and gradient norm are finite on every rank (and, with "
-                            "--async-save, its upload is done): an update that makes the next "
-                            "step non-finite never reaches the newest checkpoint")
+                            "by a signal). Step K's checkpoint is committed once every rank "
+                            "found its saved shards finite and the next step's loss and "
+                            "gradient norm are finite and no spike (and, with --async-save, "
+                            "its upload is done): such a bad update never reaches the newest "
+                            "checkpoint")
     group.add_argument("--keep", type=int, metavar="N", default=2,
                        help="checkpoints to keep (default %(default)s)")
     group.add_argument("--spike-factor", type=float, metavar="K", default=3.0,
