@@ -35,9 +35,9 @@ def to_float8(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None,
               scale: torch.Tensor | None = None):
     """(x8, scale): scale = fp8_max / amax(|x|), over the whole tensor (dim None: a 0-dim tensor)
     or over `dim` (kept as a size-1 dimension, one scale per slice), in float32, unless a scale
-    is given (one computed earlier: torchao's precomputed scales for FSDP, delayed scaling);
-    x8 = x x scale, saturated to [-fp8_max, fp8_max], cast to `dtype`. x8.float() / scale gives
-    x back."""
+    is given (one computed earlier: torchao's precomputed scales for FSDP; delayed scaling's
+    amax history, deleted from torchao in 2025, pytorch/ao#1753); x8 = x x scale, saturated to
+    [-fp8_max, fp8_max], cast to `dtype`. x8.float() / scale gives x back."""
     # TODO(you): torch.finfo(dtype).max is the largest finite value. An amax of 0 must not divide by
     # zero (EPS), and e5m2 turns values beyond its max into inf unless you clamp first.
     todo("the scale from amax(|x|), then the saturated cast")

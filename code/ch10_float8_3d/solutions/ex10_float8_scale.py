@@ -34,9 +34,9 @@ def to_float8(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None,
               scale: torch.Tensor | None = None):
     """(x8, scale): scale = fp8_max / amax(|x|), over the whole tensor (dim None: a 0-dim tensor)
     or over `dim` (kept as a size-1 dimension, one scale per slice), in float32, unless a scale
-    is given (one computed earlier: torchao's precomputed scales for FSDP, delayed scaling);
-    x8 = x x scale, saturated to [-fp8_max, fp8_max], cast to `dtype`. x8.float() / scale gives
-    x back."""
+    is given (one computed earlier: torchao's precomputed scales for FSDP; delayed scaling's
+    amax history, deleted from torchao in 2025, pytorch/ao#1753); x8 = x x scale, saturated to
+    [-fp8_max, fp8_max], cast to `dtype`. x8.float() / scale gives x back."""
     ### BEGIN SOLUTION: the scale from amax(|x|), then the saturated cast
     ### HINT torch.finfo(dtype).max is the largest finite value. An amax of 0 must not divide by
     ### HINT zero (EPS), and e5m2 turns values beyond its max into inf unless you clamp first.
@@ -108,6 +108,6 @@ if args.json:
 # Answers (python code/ch10_float8_3d/solutions/ex10_float8_scale.py prints them): 1. about 2.6 %
 # through e4m3 and 5.3 % through e5m2 (one mantissa bit fewer: twice the spacing). 2. per tensor
 # ~12 %, with ~17 % of the other rows' values flushed to 0 (1e5 takes the top of the range; the
-# rest falls below e4m3's smallest subnormal, 2^-9); per row ~2.6 %, none flushed. 3. the scale
-# 448 / 1e-12 (huge, but finite), and zeros come back.
+# rest falls to or below half e4m3's smallest subnormal, 2^-10); per row ~2.6 %, none flushed.
+# 3. the scale 448 / 1e-12 (huge, but finite), and zeros come back.
 ### END SOLUTION
