@@ -51,6 +51,7 @@ def test_a_planted_unrounded_float_fails(tmp_path):
     assert [line.split(":")[0] for line in check(nb)] == ["planted.ipynb cell 0",
                                                           "planted.ipynb cell 1"]
     assert noisy_floats("0.0012345678 and 1.2e-6") == ["0.0012345678", "1.2e-6"]
+    assert noisy_floats("1000000000000.0 tokens, 0.5000 exactly") == []  # zeros are exact
 
 
 def test_bf16_flash_attention_runs_on_this_cpu():

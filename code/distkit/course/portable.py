@@ -33,8 +33,9 @@ MAX_DIGITS = 6
 
 
 def significant_digits(mantissa: str) -> int:
-    """Digits that carry information: leading zeros of a fraction don't ("0.000977" has 3)."""
-    return len(mantissa.replace(".", "").lstrip("0")) or 1
+    """Digits that carry information: leading zeros don't ("0.000977" has 3), and neither do
+    trailing ones (a whole number printed as a float, "1000000000000.0", has 1)."""
+    return len(mantissa.replace(".", "").strip("0")) or 1
 
 
 def noisy_floats(text: str) -> list[str]:
