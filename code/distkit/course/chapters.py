@@ -19,8 +19,9 @@ A chapter's first cell (COURSE.md, "A chapter's shape") looks like this:
     (the chapter's introduction follows)
 
 The core text is every markdown cell outside `<details>` blocks ("Deeper" sections and the hidden
-answers of "Check yourself"); its words give the reading time at RATE words a minute, rounded up
-to 5 minutes (technical text: slower than prose). The core also asks the learner to read its code
+answers of "Check yourself"), less the reading-time line itself; its words give the reading time
+at RATE words a minute, rounded up to 5 minutes (technical text: slower than prose). The core
+also asks the learner to read its code
 cells and their outputs (a 250-line diff in chapter 05): their words (whitespace-separated tokens
 of every code cell's source and text output) are counted at CODE_RATE, skimmed faster than prose,
 and the reading time states both parts. CODE_RATE is an estimate, not a measurement: with it the
@@ -83,10 +84,9 @@ class Chapter:
 
     def reading_line(self) -> str:
         return (f"**Reading time:** about {self.minutes} minutes: {self.text_minutes} for the text "
-                f"({self.core_words:,} core words at {RATE} words a minute) and "
-                f"{self.code_minutes} for the code and outputs it shows ({self.code_words:,} "
-                f"words at {CODE_RATE} a minute); the \"Deeper\" blocks and running the cells "
-                "take longer.")
+                f"({self.core_words:,} core words at {RATE} a minute), {self.code_minutes} for "
+                f"the code and outputs it shows ({self.code_words:,} words at {CODE_RATE} a "
+                "minute); \"Deeper\" blocks and runs take longer.")
 
     def gaps(self) -> list[str]:
         """What the chapter's shape (COURSE.md) still lacks: empty when it is complete."""
@@ -160,7 +160,7 @@ def read(path: Path) -> Chapter:
         chapter.prerequisites = " ".join(m.group(1).split())
     if m := re.search(r"^\*\*Reading time:\*\* about (\d+) minutes", first, re.M):
         chapter.stated_minutes = int(m.group(1))
-    text = "\n".join(markdown)
+    text = READING.sub(" ", "\n".join(markdown))  # the reading-time line reads no chapter
     core = DETAILS.sub(" ", text)
     chapter.core_words = len(core.split())
     chapter.deeper_words = len(text.split()) - chapter.core_words
