@@ -122,3 +122,22 @@ def test_record_does_not_judge_a_cell_too_short_to_measure():
     watch = LoadWatch()
     watch.rows = [(0, 0.005, 0.0, 2.0), (1, 30.0, 25.0, 0.01)]
     assert watch.busy_cells() == [] and watch.foreign_cores() < 0.5
+
+
+def test_short_tracebacks_follow_each_rank(tmp_path, capsys):
+    """launch(short_tracebacks=True) keeps each rank's error line and drops its frames, also when
+    another rank's line lands inside a traceback (notebook 05 cell 27 showed the rest of one)."""
+    from distkit.course.notebook import launch
+    script = tmp_path / "interleaved.py"
+    script.write_text("print('[rank0]: Traceback (most recent call last):')\n"
+                      "print('[rank0]:   File \"x.py\", line 1, in <module>')\n"
+                      "print('[rank1]: rank 1 says something')\n"
+                      "print('[rank0]:   File \"y.py\", line 2, in f')\n"
+                      "print('[rank0]: RuntimeError: the error')\n"
+                      "print('Traceback (most recent call last):')\n"
+                      "print('  File \"z.py\", line 3')\n"
+                      "print('ValueError: another')\n")
+    launch(1, str(script), short_tracebacks=True)
+    out = capsys.readouterr().out.splitlines()[1:]  # after the command line
+    assert out == ["[rank1]: rank 1 says something", "[rank0]: RuntimeError: the error",
+                   "ValueError: another"], out

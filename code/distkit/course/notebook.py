@@ -123,7 +123,9 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
     timer = threading.Timer(limit, _stop, args=(proc, fired, grace)) if limit else None
     if timer:
         timer.start()
-    lines, in_traceback, stacks = [], False, None
+    # short_tracebacks: the ranks whose traceback is being printed, by their "[rankN]: " prefix
+    # ("" before the process group names them): another rank's line inside one ends nothing
+    lines, in_traceback, stacks = [], set(), None
     launch.stacks = {}
     try:
         for line in proc.stdout:  # stream, so long runs show progress
@@ -132,12 +134,14 @@ def launch(nproc: int, script: str, *args, ranks: str | None = None,
                 stacks = threading.Thread(target=_show_stacks, args=(proc.pid,), daemon=True)
                 stacks.start()
             if short_tracebacks:
-                text = re.sub(r"^\[rank\d+\]: ", "", line)
+                prefix = re.match(r"(\[rank\d+\]: )?", line).group(0)
+                text = line[len(prefix):]
                 if text.startswith("Traceback (most recent call last)"):
-                    in_traceback = True
-                if in_traceback and (text.startswith(("Traceback", " ")) or not text.strip()):
-                    continue  # a frame of the traceback
-                in_traceback = False
+                    in_traceback.add(prefix)
+                if prefix in in_traceback and (text.startswith(("Traceback", " "))
+                                               or not text.strip()):
+                    continue  # a frame of this rank's traceback
+                in_traceback.discard(prefix)
             if not expect_failure and hide_output is None:
                 print(_relative(line), end="", flush=True)
         status = proc.wait()
