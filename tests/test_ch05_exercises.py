@@ -52,6 +52,9 @@ def at_3(tmp_path_factory):
         # the batches of the resumed epoch already trained on not skipped
         "no_skip": ("05.1", ("yield from itertools.islice(loader, skip, None)",
                              "yield from loader")),
+        # the skip kept past the resumed epoch: the next epoch loses its first batch too
+        # (R45's plant: caught once the resume crosses an epoch's start, step 9)
+        "skip_kept": ("05.1", ("epoch, skip = epoch + 1, 0", "epoch, skip = epoch + 1, skip")),
         # the resumed epoch read in epoch 0's order: set_epoch forgotten
         "no_set_epoch": ("05.1", ("loader.sampler.set_epoch(epoch)", "pass")),
     }, tmp_path_factory.mktemp("ch05_ex3"), nprocs="largest")
@@ -91,8 +94,12 @@ def test_at_3_ranks_the_solution_passes_and_wrong_answers_are_named(at_3):
                               "scheduler's state)")
     ok, lines, _ = at_3["no_step"]
     assert not ok
-    assert lines[-1] == ("FAIL [3 ranks] the resume trained steps [1, 2, 3, 4, 5, 6, 7, 8], not "
-                         "6..8: Progress does not restore the steps done")
+    assert lines[-1] == ("FAIL [3 ranks] the resume trained steps [1, 2, 3, 4, 5, 6, 7, 8, 9, "
+                         "10, 11, 12], not 6..12: Progress does not restore the steps done")
+    ok, lines, _ = at_3["skip_kept"]
+    assert not ok
+    assert lines[-1].startswith("FAIL [3 ranks] step 9 differs from the uninterrupted run in its "
+                                "batch"), lines
     ok, lines, _ = at_3["no_skip"]
     assert not ok
     assert lines[-1] == (

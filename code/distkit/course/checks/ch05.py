@@ -5,9 +5,11 @@ from distkit.course.exercise import exercise
 
 @exercise("05.1", "ch05_checkpoint/exercises/ex05_resume.py")
 def resume(run):
-    # 4 steps per epoch at any world size; the checkpoint mid-epoch, the resume into the next
+    # 4 steps per epoch at any world size; the checkpoint mid-epoch (step 5 of epoch 1), the
+    # resume through the rest of it and across the next epoch's start (step 9): a skip that is
+    # not reset at a new epoch shows there
     N = run.nproc
-    res = run("--steps", "8", "--save-at", "5", "--global-batch", 4 * N, "--samples", 16 * N,
+    res = run("--steps", "12", "--save-at", "5", "--global-batch", 4 * N, "--samples", 16 * N,
               "--ckpt-dir", run.tmp / f"ckpt{N}")
     yield (res["reshuffled"], "the uninterrupted run gives each epoch its own shuffle",
            "the uninterrupted run reads epoch 1 in epoch 0's order: does batches_after() give "
@@ -28,8 +30,8 @@ def resume(run):
            f"the epochs (set_epoch, then every batch){hint}" if bad else "")
     yield (res["loaded_equal"], "the loaded model + AdamW state = the saved one (sha256)",
            "the loaded model + AdamW state differ from the saved one")
-    yield (res["resumed"]["steps"] == list(range(6, 9)), "the resume trains steps 6..8",
-           f"the resume trained steps {res['resumed']['steps']}, not 6..8: Progress does not "
+    yield (res["resumed"]["steps"] == list(range(6, 13)), "the resume trains steps 6..12",
+           f"the resume trained steps {res['resumed']['steps']}, not 6..12: Progress does not "
            "restore the steps done")
     for what, key in (("batch", "same_batch"), ("LR", "same_lr"), ("loss", "same_loss")):
         bad = [6 + i for i, ok in enumerate(res[key]) if not ok]
