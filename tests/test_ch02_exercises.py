@@ -57,6 +57,9 @@ def halved(tmp_path_factory):
             ("out = lm_loss(out, micro[i]) / m", "out = lm_loss(out, micro[i])"),
             ("losses.append(sum(out.item() for out in outputs))",
              "losses.append(sum(out.item() for out in outputs) / m)")]),
+        # "/ 4" where "/ m" belongs: right at the checked m = 4 (R45's plant), 0.5x at m = 2
+        "gpipe_over_4": ("02.1", ("out = lm_loss(out, micro[i]) / m",
+                                  "out = lm_loss(out, micro[i]) / 4")),
         # f's backward averages the partial input gradients instead of adding them up
         "megatron_f_mean": ("02.2", ("return all_reduce(grad.clone())",
                                      "return all_reduce(grad.clone()) / dist.get_world_size()")),
@@ -70,6 +73,15 @@ def test_gpipe_scaled_in_the_log_only_is_named_by_its_gradients(halved):
     assert any(ln.startswith("PASS [2 ranks] losses = naive_split.py's") for ln in lines), lines
     assert lines[-1] == ("FAIL [2 ranks] step 1's gradients, every stage's are 4.00x one "
                          "process's: is the loss you call backward() on divided by m?"), lines
+
+
+@pytest.mark.second_nproc
+def test_gpipe_with_m_hard_coded_fails_at_another_m(halved):
+    ok, lines, _ = halved["gpipe_over_4"]
+    assert not ok
+    assert lines[-1] == ("FAIL [2 ranks] at m = 2: step 1's gradients, every stage's are 0.50x "
+                         "one process's: is each micro-batch's loss divided by m, not by a fixed "
+                         "number?"), lines
 
 
 @pytest.mark.second_nproc

@@ -57,6 +57,9 @@ def at_3(tmp_path_factory):
         "accum_k_in_log_only": ("04.2", [
             (".loss / K", "loss = model(input_ids=micro[k], labels=micro[k]).loss"),
             ("total += loss.detach()", "total += loss.detach() / K")]),
+        # "/ 4" where "/ K" belongs: right at the checked K = 4 (R45's plant), 0.5x at K = 2
+        "accum_over_4": ("04.2", (".loss / K", "loss = model(input_ids=micro[k], "
+                                               "labels=micro[k]).loss / 4")),
         # divided by N as well, as by hand in DDP: FSDP's reduce-scatter already averages
         "accum_over_n": ("04.2", (".loss / K", "loss = model(input_ids=micro[k], "
                                                "labels=micro[k]).loss / (K * env.world_size)")),
@@ -109,6 +112,11 @@ def test_at_3_ranks_solutions_pass_and_wrong_answers_are_named(at_3):
                          "reference's on ranks [0, 1, 2]: model.rotary_emb.inv_freq, "
                          "model.rotary_emb.original_inv_freq are in no state dict, so they must "
                          "be recomputed")
+    ok, lines, _ = at_3["accum_over_4"]
+    assert not ok
+    assert lines[-1] == ("FAIL [3 ranks] at K = 2, sync every micro-batch: step 1's gradients are "
+                         "0.50x one process's: is each micro-batch's loss divided by K, not by a "
+                         "fixed number?"), lines
     ok, lines, _ = at_3["accum_k_in_log_only"]
     assert not ok
     assert lines[-1] == ("FAIL [3 ranks] sync every micro-batch: step 1's gradients are 4.00x "

@@ -36,6 +36,16 @@ def gpipe(run):
                            "is the loss you call backward() on divided by m?",
                            "the gradients of a step were not those of the whole batch",
                            divided_hint="is the loss divided by more than m?")
+    # a second m: a constant that fits m = 4 (a "/ 4" for "/ m") fails here; the reference is
+    # the same one-process step (m does not change what the batch's mean is)
+    res2 = run("--microbatches", 2, *args[2:])
+    yield gradient_matches(grad_check(res2["grad_norms"], reference["grad_norms"]), 1e-4,
+                           "step 1's gradients, every stage's",
+                           "is each micro-batch's loss divided by m, not by a number?",
+                           "the gradients of a step were not those of the whole batch",
+                           label="at m = 2: ",
+                           divided_hint="is each micro-batch's loss divided by m, not by a fixed "
+                           "number?")
     steps = samples // batch
     forwards = [sum(s[0] == "F" for s in spans) for spans in res["spans"]]
     yield (forwards == [m * steps] * run.nproc,

@@ -65,3 +65,13 @@ def grad_accum(run):
                                "is the loss you call backward() on divided by K?",
                                "the gradients of a step were not those of the whole batch",
                                label=f"{label}: ")
+    # a second K: a constant that fits K = 4 (a "/ 4" for "/ K") fails here
+    res2 = run("--steps", "1", "--micro-batches", 2)
+    for mode, r in res2["modes"].items():
+        label = {"every": "sync every micro-batch", "last": "sync on the last only"}[mode]
+        yield gradient_matches(r["grad_check"], 1e-5, "step 1's gradients",
+                               "is each micro-batch's loss divided by K, not by a number?",
+                               "the gradients of a step were not those of the whole batch",
+                               label=f"at K = 2, {label}: ",
+                               divided_hint="is each micro-batch's loss divided by K, not by a "
+                               "fixed number?")
