@@ -96,7 +96,7 @@ def runs(checks):
     for name in ("meta", "accum"):
         ok, lines, launches = checks[name]
         assert ok, lines
-        (_, res, out), = launches
+        (_, res, out), *_ = launches  # the first (04.2 runs again at K = 2)
         found[name] = res, out
     return found
 
