@@ -193,6 +193,7 @@ for strategy in strategies:
     results[strategy]["predicted"] = want
 print0(f"every parameter's first dimension divides by N = {env.world_size}: {divides}")
 grad_gaps = {}  # step 1's gradients against one process's, per strategy
+parity_ok = True
 print0("losses of every strategy vs one process on the whole batch (3 steps), and step 1's "
        "gradients (gap: largest difference / largest norm):")
 for strategy in strategies:
@@ -202,6 +203,7 @@ for strategy in strategies:
     grad_gaps[strategy] = grads["gap"]
     print0(f"  {strategy:11s} max |loss - reference| < {tol:g}: {diff < tol}; "
            f"gradient gap < {tol:g}: {grads['gap'] < tol} ({grads['scale']:.2f}x)")
+    parity_ok = parity_ok and diff < tol and grads["gap"] < tol
 write_json(args.json, {"world_size": env.world_size, "num_params": num_params,
                        "num_tensors": len(list(build().parameters())),
                        "batch_size": args.batch_size, "layers": args.layers,
@@ -210,4 +212,4 @@ write_json(args.json, {"world_size": env.world_size, "num_params": num_params,
                        "predicted": {s: predicted(s) for s in strategies},
                        "grad_gaps": grad_gaps,
                        "ranks": every_rank})
-teardown()
+teardown(parity_ok)  # a failed parity fails the launch

@@ -227,4 +227,5 @@ write_json(args.json, {"world_size": env.world_size, "layers": args.layers,
                        "tolerance": LOSS_TOL, "grad_tolerance": GRAD_TOL,
                        "reference_losses": reference, "reference_grad_norms": reference_grads,
                        "layouts": results})
-teardown()
+teardown(all(r["max_loss_diff"] < LOSS_TOL and r["grad_gap"] < GRAD_TOL
+             for r in results.values()))  # a failed parity fails the launch

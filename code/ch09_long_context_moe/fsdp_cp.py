@@ -250,4 +250,4 @@ write_json(args.json, {"ok": ok, "world_size": N, "dp": dp, "cp": cp, "seq": S, 
                        "single_losses": single_losses, "activation_bytes_whole": whole,
                        "activation_bytes_local": part,
                        "results": results})
-teardown()
+teardown(ok)  # a failed check fails the launch

@@ -213,4 +213,4 @@ write_json(args.json, {
     "collectives_expected": calls_ok, "ep": EP, "fsdp": fsdp, "fsdp_ok": fsdp_ok,
     "local_shapes": {"gate_up_proj": list(layers[0][0].mlp.experts.gate_up_proj.shape),
                      "down_proj": list(layers[0][0].mlp.experts.down_proj.shape)}})
-teardown()
+teardown(ok)  # a failed check fails the launch

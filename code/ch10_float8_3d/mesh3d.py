@@ -181,7 +181,7 @@ dist.all_gather_object(everyone, {
     "startup": {"imported": imported, "joined": joined, "meshed": meshed, "built": built}})
 print0(f"mesh (pp {args.pp}, dp {args.dp}, tp {args.tp}) = {env.world_size} ranks; "
        f"{args.layers} layers, {args.schedule} with {args.microbatches} micro-batches per dp rank")
-results = {}
+results, all_ok = {}, True
 for name in runs:
     parity = {"loss": max(abs(a - b) for a, b in zip(runs[name]["losses"], ref_losses)),
               "grad": max(r["runs"][name]["grad_err"] for r in everyone),
@@ -189,6 +189,7 @@ for name in runs:
     results[name] = {"parity": parity,
                      "collectives": [r["runs"][name]["collectives"] for r in everyone]}
     ok = all(parity[w] < TOL[w] for w in parity)
+    all_ok = all_ok and ok
     print0(f"reshard_after_forward {name:6s}: losses, gradients and weights after 2 AdamW "
            f"steps = one process: {ok}; step 2 on rank 0: " + ", ".join(
                f"{n} {op} over {dim}" for op, dim, n, _ in everyone[0]["runs"][name]
@@ -199,4 +200,4 @@ write_json(args.json, {"pp": args.pp, "dp": args.dp, "tp": args.tp, "layers": ar
                        "losses": {n: r["losses"] for n, r in runs.items()}, "runs": results,
                        "ranks": [{k: r[k] for k in ("coord", "startup", "first_collective")}
                                  for r in everyone]})
-teardown()
+teardown(all_ok)  # a failed parity fails the launch

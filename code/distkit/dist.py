@@ -87,8 +87,10 @@ def setup(timeout_s: float | None = None, cpu_collectives: bool = False) -> Dist
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
-def teardown() -> None:
-    """Leave the process group together, then exit at once. Call it last.
+def teardown(ok: bool = True) -> None:
+    """Leave the process group together, then exit at once. Call it last. `ok=False`: the
+    script's own check failed (a parity it prints as False): exit status 1, so that a launch,
+    a papermill run or `make gpu-smoke` fails too, not only the notebook's assert.
 
     The barrier: without it a rank that finishes first can tear down its gloo connections while
     a peer is still completing the last collective; we measured that peer aborting ("terminate
@@ -105,7 +107,7 @@ def teardown() -> None:
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(0 if ok else 1)
 
 
 def todo(what: str):
