@@ -110,6 +110,23 @@ def test_commit_is_a_rename_with_a_manifest_and_keeps_the_last_k(tmp_path):
     assert ckpt.latest() == ckpt.path(15) and ckpt.log == []
 
 
+def test_a_resume_from_an_older_step_sets_the_newer_ones_aside_at_once(tmp_path):
+    """train_llama.py --resume-from 6 with checkpoints 6, 9, 12 (review R47, high): a job killed
+    before its first commit was requeued onto step 12, the future it meant to leave. Now the
+    newer ones are set aside as .old before anything is trained: the requeue's newest is 6,
+    and the first commit removes them."""
+    ckpt = CheckpointDir(tmp_path, keep=3)
+    for step in (6, 9, 12):
+        fake_save(ckpt, step)
+    assert ckpt.set_aside_after(6) == ["step_000009", "step_000012"]
+    assert ckpt.latest() == ckpt.path(6)  # what the killed job's requeue resumes from
+    assert sorted(p.name for p in tmp_path.glob("*.old")) == ["step_000009.old",
+                                                              "step_000012.old"]
+    fake_save(ckpt, 9)  # the resumed run's first commit
+    assert [p.name for p in ckpt.committed()] == ["step_000006", "step_000009"]
+    assert not list(tmp_path.glob("*.old"))
+
+
 @pytest.mark.parametrize("damage, reason", [
     (lambda p: (p / "__1_0.distcp").write_bytes(b"x" * 115), "does not match its sha256"),
     (lambda p: (p / "__1_0.distcp").write_bytes(b"x" * 7), "has 7 bytes, the manifest says 115"),

@@ -806,6 +806,45 @@ def test_past_a_bad_region_with_a_lower_lr(spiked, small):
 
 
 @pytest.mark.second_nproc
+def test_a_requeued_resume_from_never_resumes_past_its_step(small):
+    """Review R47 (high): --resume-from 6 with checkpoints 6, 9, 12, killed before its first
+    commit, then requeued with the same options (as the sbatch does): the requeue said "done by
+    an earlier attempt", resumed from step 12, the future it was meant to leave, and exited 0.
+    Now the newer checkpoints are set aside (.old) before the first step: the requeue resumes
+    from 6 and trains 7..12 again."""
+    import subprocess
+    import time
+
+    from conftest import LAUNCHER, launcher_env
+    tmp, args = small
+    out = tmp / "requeued"
+    args = [*args[:args.index("--keep")], "--keep", "3", *args[args.index("--keep") + 2:]]
+    run_ok(1, SCRIPT, *args, "--out", out, timeout=600)
+    assert [p.name for p in CheckpointDir(out / "checkpoints").committed()] == [
+        "step_000006", "step_000009", "step_000012"]
+    again = [str(LAUNCHER), "1", SCRIPT, *map(str, args), "--out", str(out), "--resume-from", "6"]
+    first = subprocess.Popen(again, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=launcher_env())
+    deadline = time.monotonic() + 300
+    while '"resumed_from": 6' not in ((out / "run.json").read_text()
+                                      if (out / "run.json").exists() else ""):
+        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+        time.sleep(0.05)
+    # SIGKILL, every process of the launch (a SIGTERM would save and commit): before step 9's
+    # commit, as a node lost then would
+    import psutil
+    for proc in [*psutil.Process(first.pid).children(recursive=True), psutil.Process(first.pid)]:
+        proc.kill()
+    first.communicate()
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.old")) == [
+        "step_000009.old", "step_000012.old"]
+    requeue = run_ok(1, SCRIPT, *args, "--out", out, "--resume-from", "6", timeout=600)
+    assert "--resume-from 6: done by an earlier attempt (run.json)" in requeue.stdout
+    assert "resumed from step_000006: step 6 of 12" in requeue.stdout, requeue.stdout
+    assert [r["step"] for r in rows_of(out) if "loss" in r] == list(range(1, 13))
+
+
+@pytest.mark.second_nproc
 def test_a_checkpoint_of_another_model_shape_is_one_line(small):
     """faults.md 5c: a --resume with a model of another width (the same tokenizer and data)
     failed inside DCP ("Size mismatch", 6 tracebacks). Progress.run now holds the model's

@@ -555,6 +555,9 @@ if args.resume_from is not None:  # an older checkpoint, asked for by its step
     start = ckpt.path(args.resume_from)
     if why := ckpt.problem(start):  # collective: the same verdict on every rank
         raise SystemExit(f"train_llama.py: --resume-from {args.resume_from}: {start}: {why}")
+    if moved := ckpt.set_aside_after(args.resume_from):  # a requeue must not resume past it
+        print0(f"--resume-from {args.resume_from}: {', '.join(moved)} set aside as .old "
+               "(removed at this run's first commit)")
 else:  # the newest that checks out; refused (nothing changed) if there are some but none does
     start = ckpt.resume_point("train_llama.py") if args.resume else None
 if start:

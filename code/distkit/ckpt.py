@@ -334,6 +334,21 @@ class CheckpointDir:
         _barrier()
         return final
 
+    def set_aside_after(self, step: int) -> list[str]:
+        """A resume from an older checkpoint (train_llama.py --resume-from): rename every
+        committed checkpoint newer than `step` to step_NNNNNN.old at once, before anything is
+        trained, so that a requeue of a job killed before its first commit cannot take that
+        abandoned future for the newest checkpoint. They stay on disk until the first commit,
+        which removes step_*.old. Collective; returns the names set aside."""
+        moved = []
+        if _rank0():
+            for newer in [p for p in self.committed() if step_of(p.name) > step]:
+                os.replace(newer, newer.with_suffix(".old"))
+                moved.append(newer.name)
+            _fsync(self.root)
+        _barrier()
+        return _from_rank0(moved)
+
     def committed(self) -> list[Path]:
         """Committed checkpoint folders as this process sees them, oldest first by step
         number (no check of their contents; not collective)."""
