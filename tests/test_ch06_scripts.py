@@ -193,6 +193,15 @@ def test_a_full_disk_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(guard.shutil, "disk_usage", lambda p: usage._replace(free=50 << 30))
     assert guard.save_failure(folder, zip_error) is None  # space enough: another failure
     assert guard.save_failure(folder, enospc) is not None  # ENOSPC said: believed
+    # a read-only or forbidden folder says so, whatever the free space (review R47: a read-only
+    # mount with 1 MiB free was called full; with space, 6 tracebacks and a requeue)
+    erofs = CheckpointException("save failed", {0: (OSError(errno.EROFS, "Read-only file "
+                                                               "system"), None)})
+    for free in (1 << 20, 50 << 30):
+        monkeypatch.setattr(guard.shutil, "disk_usage", lambda p: usage._replace(free=free))
+        assert guard.save_failure(folder, erofs) == (
+            f"Cannot write checkpoints: writing step_000009.tmp in {folder.parent} failed "
+            "(Read-only file system); nothing was committed")
 
 
 @pytest.mark.parametrize("line, message", [

@@ -182,21 +182,25 @@ def nonfinite(model, optimizer, device) -> torch.Tensor:
 
 
 def save_failure(folder: Path, exc: BaseException) -> str | None:
-    """A save that failed because the disk is full, in one line (None: another failure).
-    DCP's synchronous writer reports a full disk as a zip error ("unexpected pos ..."), so
-    besides an ENOSPC anywhere in the exception's chain, a file system with less than 64 MiB
-    free after the failure counts as full."""
-    seen, todo = set(), [exc]
+    """A save that failed because the disk is full or not writable, in one line (None: another
+    failure). An errno in the exception's chain says which (EROFS, EACCES, EPERM: not writable;
+    ENOSPC, EDQUOT: full). DCP's synchronous writer reports a full disk as a zip error
+    ("unexpected pos ..."), so a chain with no such errno and a file system with less than
+    64 MiB free after the failure counts as full."""
+    seen, todo, errnos = set(), [exc], set()
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            break
+        if isinstance(e, OSError) and e.errno is not None:
+            errnos.add(e.errno)
         todo += [e.__cause__, e.__context__]  # and DCP's CheckpointException: per rank
         todo += [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
-    else:
+    if not_writable := errnos & {errno.EROFS, errno.EACCES, errno.EPERM}:
+        return (f"Cannot write checkpoints: writing {folder.name} in {folder.parent} failed "
+                f"({os.strerror(min(not_writable))}); nothing was committed")
+    if not errnos & {errno.ENOSPC, errno.EDQUOT}:
         here = folder
         while not here.exists() and here != here.parent:
             here = here.parent

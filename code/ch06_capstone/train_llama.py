@@ -655,12 +655,14 @@ def save() -> None:
 
 
 def save_failed(folder: Path, e: BaseException) -> None:
-    """A full disk is one line (and failed.json: a requeue would fail the same way)."""
+    """A full or read-only disk is one line (and failed.json: a requeue would fail the same
+    way)."""
     if not (why := guard.save_failure(folder, e)):
         raise e
+    reason = "no-space" if why.startswith("No space") else "not-writable"
     if env.rank == 0:
         with contextlib.suppress(OSError):
-            (out / "failed.json").write_text(json.dumps({"reason": "no-space", "step":
+            (out / "failed.json").write_text(json.dumps({"reason": reason, "step":
                                                          progress.step, "retry": False}))
     raise SystemExit(f"train_llama.py: {why}") from None
 
