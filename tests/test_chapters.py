@@ -65,8 +65,8 @@ def test_first_cell_fields_are_read_whole(tmp_path):
     nbformat.write(nb, path)
     c = chapters.read(path)
     assert (c.code_words, c.text_minutes, c.code_minutes, c.minutes) == (600, 5, 5, 10)
-    assert "10 minutes: 5 for the text" in c.reading_line()
-    assert "5 for the code and outputs it shows (600 words" in c.reading_line()
+    assert "10 minutes: 5 of text" in c.reading_line()
+    assert "5 of code and outputs (600 words" in c.reading_line()
     # the line itself is no reading: a longer line leaves the core words as they were
     words = c.core_words
     first = nb.cells[0]

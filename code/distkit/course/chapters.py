@@ -13,8 +13,8 @@ A chapter's first cell (COURSE.md, "A chapter's shape") looks like this:
 
     **Prerequisites:** chapters 01 and 03 (...).
 
-    **Reading time:** about 60 minutes: 40 for the text (3,120 core words at 80 words a minute)
-    and 20 for the code and outputs it shows (3,900 words at 200 a minute); ...
+    **Reading time:** about 60 minutes: 40 of text (3,120 words at 80 a minute), 20 of code
+    and outputs (3,900 words at 200 a minute).
 
     (the chapter's introduction follows)
 
@@ -83,10 +83,9 @@ class Chapter:
         return self.text_minutes + self.code_minutes
 
     def reading_line(self) -> str:
-        return (f"**Reading time:** about {self.minutes} minutes: {self.text_minutes} for the text "
-                f"({self.core_words:,} core words at {RATE} a minute), {self.code_minutes} for "
-                f"the code and outputs it shows ({self.code_words:,} words at {CODE_RATE} a "
-                "minute); \"Deeper\" blocks and runs take longer.")
+        return (f"**Reading time:** about {self.minutes} minutes: {self.text_minutes} of text "
+                f"({self.core_words:,} words at {RATE} a minute), {self.code_minutes} of code "
+                f"and outputs ({self.code_words:,} words at {CODE_RATE} a minute).")
 
     def gaps(self) -> list[str]:
         """What the chapter's shape (COURSE.md) still lacks: empty when it is complete."""
