@@ -223,6 +223,17 @@ def test_a_bad_jsonl_record_is_file_and_line(tmp_path, line, message):
     assert list((tmp_path / "data").iterdir()) == []  # no .tmp-HOST-PID folder left
 
 
+def test_a_jsonl_with_a_byte_order_mark_reads_as_without(tmp_path):
+    """Review R47 #8: a JSON Lines file saved with a UTF-8 byte-order mark (as Windows tools
+    write it) was refused ("Unexpected UTF-8 BOM"), twice, with argparse's usage: it reads as
+    the same records."""
+    text = "".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(3))
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert corpus.check([tmp_path / "bom.jsonl"]) is None
+    assert list(corpus.records(tmp_path / "bom.jsonl", "text")) == [
+        "record 0", "record 1", "record 2"]
+
+
 def test_a_rank_waiting_for_data_leaves_on_a_signal(tmp_path):
     """faults.md 5e: while rank 0 tokenizes, the others poll for its index.json; when rank 0
     fails, torchrun's SIGTERM (the handler raises a flag) makes them leave at once, not after

@@ -83,8 +83,8 @@ def check(paths, field: str = "text") -> str | None:
                 import datasets  # noqa: F401
                 if field not in next(iter(records(path, field, check_only=True)), {}):
                     return f"{path}: no column {field!r} (--text-field)"
-            elif how == "jsonl":
-                with open(path, encoding="utf-8") as f:
+            elif how == "jsonl":  # utf-8-sig: a byte-order mark (Windows tools write one)
+                with open(path, encoding="utf-8-sig") as f:
                     first = next((ln for ln in f if ln.strip()), None)
                 if first is None:
                     return f"{path}: no records (an empty file)"
@@ -105,7 +105,7 @@ def records(path: Path, field: str, check_only: bool = False):
     """The documents of a record file or saved dataset, one string at a time."""
     how = kind(path)
     if how == "jsonl":  # a bad record anywhere is one line, FILE:LINE: what is wrong
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
