@@ -862,6 +862,11 @@ def test_a_requeued_resume_from_never_resumes_past_its_step(small):
     assert "--resume-from 6: done by an earlier attempt (run.json)" in requeue.stdout
     assert "resumed from step_000006: step 6 of 12" in requeue.stdout, requeue.stdout
     assert [r["step"] for r in rows_of(out) if "loss" in r] == list(range(1, 13))
+    # a step with no checkpoint is named as such (R47 #9: "no readable manifest.json")
+    missing = run_launcher(1, SCRIPT, *args, "--out", out, "--resume-from", "7")
+    assert missing.returncode != 0
+    assert (f"train_llama.py: --resume-from 7: no checkpoint of that step in {out}/checkpoints "
+            "(committed: 6, 9, 12)") in missing.stderr, missing.stderr
 
 
 @pytest.mark.second_nproc

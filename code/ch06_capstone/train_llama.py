@@ -63,7 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # corpus.py, nex
 import corpus  # noqa: E402
 import guard  # noqa: E402  (guard.py: the lock, the LR schedule, the loss-spike guard)
 from distkit import memory, print0, setup, speed, teardown  # noqa: E402
-from distkit.ckpt import AppState, CheckpointDir, Stager, own_files  # noqa: E402
+from distkit.ckpt import AppState, CheckpointDir, Stager, own_files, step_of  # noqa: E402
 from distkit.comm import CollectiveLog  # noqa: E402
 
 # Llama architectures (transformers LlamaConfig fields); the vocabulary comes from the tokenizer.
@@ -553,6 +553,10 @@ if args.resume_from in [c.get("resumed_from", -1) for c in changes]:  # a requeu
     args.resume_from = None
 if args.resume_from is not None:  # an older checkpoint, asked for by its step
     start = ckpt.path(args.resume_from)
+    if start not in (have := ckpt.committed()):  # (each rank lists the shared folder)
+        raise SystemExit(f"train_llama.py: --resume-from {args.resume_from}: no checkpoint of "
+                         f"that step in {ckpt.root} (committed: "
+                         f"{', '.join(str(step_of(p.name)) for p in have) or 'none'})")
     if why := ckpt.problem(start):  # collective: the same verdict on every rank
         raise SystemExit(f"train_llama.py: --resume-from {args.resume_from}: {start}: {why}")
     if moved := ckpt.set_aside_after(args.resume_from):  # a requeue must not resume past it
