@@ -56,7 +56,9 @@ def at_3(tmp_path_factory):
         # (R45's plant: caught once the resume crosses an epoch's start, step 9)
         "skip_kept": ("05.1", ("epoch, skip = epoch + 1, 0", "epoch, skip = epoch + 1, skip")),
         # the resumed epoch read in epoch 0's order: set_epoch forgotten
-        "no_set_epoch": ("05.1", ("loader.sampler.set_epoch(epoch)", "pass")),
+        "no_set_epoch": ("05.1", ("loader.sampler.set_epoch(epoch)\n"
+                                  "yield from itertools.islice(loader, skip, None)",
+                                  "pass\nyield from itertools.islice(loader, skip, None)")),
     }, tmp_path_factory.mktemp("ch05_ex3"), nprocs="largest")
 
 
