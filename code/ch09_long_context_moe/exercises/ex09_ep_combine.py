@@ -14,7 +14,7 @@ the layer's outputs, its cross-entropy loss and every gradient against one proce
 the experts on all the ranks' tokens.
 Fill in the TODO(you) part, replacing the todo(...) call with your code. Run the script at any
 time: it stops at the first todo() left and says what is missing.
-`make exercise EX=09.3` checks it at 2 ranks with --top-k 3 and at 3 ranks with --top-k 1.
+`make exercise EX=09.3` checks it at 2 and 3 ranks with --top-k 3.
 Solution, with the answers to the questions below: ../solutions/ex09_ep_combine.py.
 
 Predict, then measure:

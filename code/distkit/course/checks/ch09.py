@@ -75,8 +75,9 @@ def ulysses(run):
 
 @exercise("09.3", "ch09_long_context_moe/exercises/ex09_ep_combine.py")
 def ep_combine(run):
-    # not Mixtral's top-2, which a hard-coded k would fit: top-3 at 2 ranks, top-1 at 3
-    k = 3 if run.nproc == 2 else 1
+    # not Mixtral's top-2, which a hard-coded k would fit: top-3 (top-1 would renormalise every
+    # weight to 1, where an unweighted or detached combine is right by accident)
+    k = 3
     try:
         res = run("--top-k", k)
     except Fail as fail:
