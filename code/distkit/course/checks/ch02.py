@@ -18,7 +18,9 @@ def gpipe(run):
                 if "`tensor` of type torch.Tensor" in str(fail) else  # c10d's own check
                 ": a stage waited for a tensor no stage sent: does each recv name the stage that "
                 "sends it (activations come from rank - 1, gradients from rank + 1)?"
-                if "Timed out" in str(fail) else "")  # gloo's timeout, 60 s
+                if "Timed out" in str(fail) or "wait timeout" in str(fail) else "")
+        # gloo's timeout (60 s), or the store's when the rank that fails first was setting up a
+        # pair with a peer that never came
         raise Fail(f"{fail}{hint}") from None
     yield losses_match(res["losses"], single, 1e-4, "naive_split.py's on one process",
                        scaled="is each micro-batch's loss divided by m?",
