@@ -1,8 +1,8 @@
 """Chapter 04's exercises through their checker (`make exercise EX=04.1`, `04.2`): each solution,
 copied over its starter, passes and meets its claims; each wrong answer a learner plausibly
 writes fails with the line that points at the mistake (the missing 1/K and .to() for to_empty()
-at 2 ranks in `make test`, the others at 3 ranks, with the solutions: `make test-nproc`);
-arguments and bad input.
+at 2 ranks in `make test`; in `make test-nproc` the solutions and the loss divided by N too at 3
+ranks, the others at 2); arguments and bad input.
 
 Budget of `make test`: four 2-rank launches at once, where every process that imports torch and
 transformers costs ~4.5 s of CPU before it does anything (measured; the scripts' own work is
@@ -36,12 +36,22 @@ def checks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def at_3(tmp_path_factory):
-    """make test-nproc: both solutions and a wrong answer to each, at 3 ranks."""
-    return check_at_once({
+    """make test-nproc: both solutions and the wrong answer whose point is N (a loss divided by
+    N too) at 3 ranks, where a constant that fits N = 2 fails; the other wrong answers, whose
+    point does not depend on N, at 2 ranks (a third rank importing torch and transformers cost
+    each launch ~3 CPU-s more), side by side."""
+    from concurrent.futures import ThreadPoolExecutor
+    tmp = tmp_path_factory.mktemp("ch04_ex3")
+    at_3 = {
         "meta": ("04.1", None),
+        "accum": ("04.2", None),
+        # divided by N as well, as by hand in DDP: FSDP's reduce-scatter already averages
+        "accum_over_n": ("04.2", (".loss / K", "loss = model(input_ids=micro[k], "
+                                               "labels=micro[k]).loss / (K * env.world_size)")),
+    }
+    at_2 = {
         # one of the two buffers no state dict carries left as to_empty() made it
         "meta_no_original": ("04.1", ("rotary.original_inv_freq.copy_(inv_freq)", None)),
-        "accum": ("04.2", None),
         # sync on for every micro-batch in the "last" mode too: K reduce-scatters per unit
         "accum_always_sync": ("04.2", ("model.set_requires_gradient_sync(k == K - 1)",
                                        "model.set_requires_gradient_sync(True)")),
@@ -60,15 +70,16 @@ def at_3(tmp_path_factory):
         # "/ 4" where "/ K" belongs: right at the checked K = 4 (R45's plant), 0.5x at K = 2
         "accum_over_4": ("04.2", (".loss / K", "loss = model(input_ids=micro[k], "
                                                "labels=micro[k]).loss / 4")),
-        # divided by N as well, as by hand in DDP: FSDP's reduce-scatter already averages
-        "accum_over_n": ("04.2", (".loss / K", "loss = model(input_ids=micro[k], "
-                                               "labels=micro[k]).loss / (K * env.world_size)")),
         # rank 0's full state dict loaded without saying it is whole and on rank 0 only
         "meta_not_broadcast": ("04.1", [
             ("set_model_state_dict(model, full_sd, options=StateDictOptions(",
              "set_model_state_dict(model, full_sd, options=StateDictOptions())"),
             ("broadcast_from_rank0=True))", None)]),
-    }, tmp_path_factory.mktemp("ch04_ex3"), nprocs="largest")
+    }
+    with ThreadPoolExecutor(2) as pool:
+        big = pool.submit(check_at_once, at_3, tmp / "n3", nprocs="largest")
+        small = pool.submit(check_at_once, at_2, tmp / "n2")
+        return {**big.result(), **small.result()}
 
 
 def test_meta_init_with_to_is_named(checks):
@@ -108,34 +119,34 @@ def test_at_3_ranks_solutions_pass_and_wrong_answers_are_named(at_3):
         assert ok, lines
     ok, lines, _ = at_3["meta_no_original"]
     assert not ok
-    assert lines[-1] == ("FAIL [3 ranks] inv_freq or original_inv_freq differ from the "
-                         "reference's on ranks [0, 1, 2]: model.rotary_emb.inv_freq, "
+    assert lines[-1] == ("FAIL [2 ranks] inv_freq or original_inv_freq differ from the "
+                         "reference's on ranks [0, 1]: model.rotary_emb.inv_freq, "
                          "model.rotary_emb.original_inv_freq are in no state dict, so they must "
                          "be recomputed")
     ok, lines, _ = at_3["accum_over_4"]
     assert not ok
-    assert lines[-1] == ("FAIL [3 ranks] at K = 2, sync every micro-batch: step 1's gradients are "
+    assert lines[-1] == ("FAIL [2 ranks] at K = 2, sync every micro-batch: step 1's gradients are "
                          "0.50x one process's: is each micro-batch's loss divided by K, not by a "
                          "fixed number?"), lines
     ok, lines, _ = at_3["accum_k_in_log_only"]
     assert not ok
-    assert lines[-1] == ("FAIL [3 ranks] sync every micro-batch: step 1's gradients are 4.00x "
+    assert lines[-1] == ("FAIL [2 ranks] sync every micro-batch: step 1's gradients are 4.00x "
                          "one process's: is the loss you call backward() on divided by K?"), lines
     ok, lines, _ = at_3["accum_always_sync"]
     assert not ok
-    assert lines[-1] == ("FAIL [3 ranks] sync on the last only: [12] reduce-scatters per step, "
+    assert lines[-1] == ("FAIL [2 ranks] sync on the last only: [12] reduce-scatters per step, "
                          "expected 3 (3 FSDP units, once per step): is the sync off for all "
                          "but the last micro-batch?")
     ok, lines, _ = at_3["accum_never_sync"]
     assert not ok
-    assert lines[-1] == ("FAIL [3 ranks] sync on the last only: [0] reduce-scatters per step, "
+    assert lines[-1] == ("FAIL [2 ranks] sync on the last only: [0] reduce-scatters per step, "
                          "expected 3 (3 FSDP units, once per step): is the sync on again for "
                          "the last micro-batch?")
     ok, lines, _ = at_3["accum_sync_first"]
     assert not ok
-    assert "PASS [3 ranks] sync on the last only: 3 reduce-scatters per step (3 FSDP units)" \
+    assert "PASS [2 ranks] sync on the last only: 3 reduce-scatters per step (3 FSDP units)" \
         in lines
-    assert lines[-1].startswith("FAIL [3 ranks] sync on the last only: losses differ from one "
+    assert lines[-1].startswith("FAIL [2 ranks] sync on the last only: losses differ from one "
                                 "process's on the global batch at step 2 by ")
     assert lines[-1].endswith(", after a first step that matched: the gradients of a step were "
                               "not those of the whole batch: is the one backward that syncs the "
@@ -148,7 +159,7 @@ def test_at_3_ranks_solutions_pass_and_wrong_answers_are_named(at_3):
                               "reduce-scatter already averages over the ranks)")
     ok, lines, _ = at_3["meta_not_broadcast"]
     assert not ok
-    assert lines[-1].startswith("FAIL [3 ranks] the launch failed: RuntimeError: ")
+    assert lines[-1].startswith("FAIL [2 ranks] the launch failed: RuntimeError: ")
     assert lines[-1].endswith(": full_sd holds whole tensors, and only on rank 0: load it "
                               "with set_model_state_dict, its StateDictOptions saying both")
 
