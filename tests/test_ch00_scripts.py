@@ -35,6 +35,11 @@ DIRECT = {
                                 (2, "needs at least 2 processes (NPROC >= 2)")),
     "ring_numel_zero": ("ring_allreduce.py", ["--numel", 0], {},
                         (2, "--numel must be at least the number of processes (1)")),
+    "ring_sizes_above_the_world": ("ring_allreduce.py", ["--sizes", "1,2"], {},
+                                   (2, "--sizes must lie between 1 and the number of processes "
+                                       "(1), got 1,2")),
+    "ring_sizes_not_numbers": ("ring_allreduce.py", ["--sizes", "2,x"], {},
+                               (2, "--sizes must be comma-separated integers, got '2,x'")),
     "bench_no_iters": ("allreduce_bench.py", ["--iters", 0], {},
                        (2, "need --iters >= 1")),
     "bench_no_inner": ("allreduce_bench.py", ["--inner", 0], {},
