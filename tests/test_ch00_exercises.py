@@ -60,7 +60,7 @@ def at_3(tmp_path_factory):
     return check_at_once({"naive": ("00.1", None), "mean": ("00.2", None),
                           "halves": ("00.3", None),
                           # ranks 1..N-1 receive before they send, as rank 0 does: a deadlock,
-                          # ended by gloo's timeout (60 s of waiting, little CPU)
+                          # ended by gloo's timeout (the checker's 20 s of waiting, little CPU)
                           "naive_recv_first": ("00.1", [
                               ("dist.send(x, dst=0)", "dist.recv(total, src=0)"),
                               ("dist.recv(total, src=0)  # overwrites total with the sum",

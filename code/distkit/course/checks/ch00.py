@@ -3,11 +3,15 @@ from distkit.comm import NAMES
 from distkit.course.exercise import Fail, exercise
 
 
-@exercise("00.1", "ch00_collectives/exercises/ex00_naive_allreduce.py")
+# A recv that no send meets waits for gloo's timeout: 20 s here, not the default 60 (the
+# exercise's all-reduce takes milliseconds; 20 s leaves room for ranks that finish importing
+# torch apart on a loaded machine, as 02.1's does)
+@exercise("00.1", "ch00_collectives/exercises/ex00_naive_allreduce.py",
+          env={"COURSE_TIMEOUT_S": "20"})
 def naive_allreduce(run):
     try:
         res = run("--numel", "1024")
-    except Fail as fail:  # gloo's timeout (60 s) on a recv whose send never came
+    except Fail as fail:  # gloo's timeout (20 s) on a recv whose send never came
         hint = (": a rank waited for a tensor no rank sent: does each recv meet its send, in "
                 "the same order on both sides?" if "Timed out" in str(fail) else "")
         raise Fail(f"{fail}{hint}") from None
