@@ -3,8 +3,9 @@ copied over its starter, passes; each wrong answer a learner plausibly writes fa
 that points at the mistake.
 
 `make test`: two wrong answers at 2 ranks, side by side (two launches and naive_split.py once as
-the one-process reference). `make test-nproc` (marker second_nproc): the solutions and the other
-wrong answers at the largest world size (GPipe: 3 stages of 1 layer; the Megatron MLP: 4 ranks).
+the one-process reference). `make test-nproc` (marker second_nproc): the solutions at the largest
+world size (GPipe: 3 stages of 1 layer, a middle stage; the Megatron MLP: 4 ranks), and the recv
+from the wrong stage, whose point needs a middle stage; the other wrong answers at 2 ranks.
 tests/test_ch02_pipeline.py and test_ch02_tensor_parallel.py run both solutions at 2 ranks, their
 starters' first TODO and their arguments.
 """
@@ -29,26 +30,23 @@ def wrong(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    """make test-nproc: the solutions and the other wrong answers at the largest world size."""
+    """make test-nproc: the solutions, and the recv from the wrong stage (a middle stage waits
+    for a tensor no stage sends), at the largest world size."""
     return check_at_once({
         "gpipe": ("02.1", None),
-        # the received activation does not require grad: no input gradient to send back
-        "gpipe_no_input_grad": ("02.1", ("x.requires_grad_()", None)),
         # the output gradient received from the previous stage, not the next: every stage
-        # waits (gloo's timeout: 60 s of wall time, little CPU)
+        # waits (gloo's timeout: the checker's 20 s of wall time, little CPU)
         "gpipe_wrong_peer": ("02.1", ("dist.recv(grad, src=env.rank + 1)",
                                       "dist.recv(grad, src=env.rank - 1)")),
         "megatron": ("02.2", None),
-        "megatron_no_f": ("02.2", ("return all_reduce(grad.clone())", "return grad")),
-        # f's forward all-reduces too: the input N times over
-        "megatron_f_forward": ("02.2", ("        return x", "return all_reduce(x.clone())")),
     }, tmp_path_factory.mktemp("ch02_ex"), nprocs="largest")
 
 
 @pytest.fixture(scope="module")
 def halved(tmp_path_factory):
-    """make test-nproc: the DDP habit of dividing by the world size, in both exercises, at 2
-    ranks: each a whole factor 0.5x, once caught without a hint (instructor's review)."""
+    """make test-nproc, at 2 ranks: the DDP habit of dividing by the world size, in both
+    exercises (each a whole factor 0.5x, once caught without a hint: instructor's review), and
+    the other wrong answers whose point does not need more ranks."""
     return check_at_once({
         # a pipeline's ranks hold stages, not data shards: no / N
         "gpipe_over_world": ("02.1", ("out = lm_loss(out, micro[i]) / m",
@@ -65,6 +63,11 @@ def halved(tmp_path_factory):
         # f's backward averages the partial input gradients instead of adding them up
         "megatron_f_mean": ("02.2", ("return all_reduce(grad.clone())",
                                      "return all_reduce(grad.clone()) / dist.get_world_size()")),
+        # the received activation does not require grad: no input gradient to send back
+        "gpipe_no_input_grad": ("02.1", ("x.requires_grad_()", None)),
+        "megatron_no_f": ("02.2", ("return all_reduce(grad.clone())", "return grad")),
+        # f's forward all-reduces too: the input N times over
+        "megatron_f_forward": ("02.2", ("        return x", "return all_reduce(x.clone())")),
     }, tmp_path_factory.mktemp("ch02_halved"))
 
 
@@ -130,10 +133,10 @@ def test_gpipe_passes(checks):
 
 
 @pytest.mark.second_nproc
-def test_gpipe_without_an_input_gradient_is_named(checks):
-    ok, lines, _ = checks["gpipe_no_input_grad"]
+def test_gpipe_without_an_input_gradient_is_named(halved):
+    ok, lines, _ = halved["gpipe_no_input_grad"]
     assert not ok
-    assert lines[-1].startswith("FAIL [3 ranks] the launch failed: ")
+    assert lines[-1].startswith("FAIL [2 ranks] the launch failed: ")
     assert lines[-1].endswith(": a stage's input gradient is None: does the received "
                               "activation require grad?")
 
@@ -144,8 +147,8 @@ def test_gpipe_receiving_from_the_wrong_stage_is_named(checks):
     assert not ok
     # which rank's timeout comes first differs between runs: gloo's ("RuntimeError: ... Timed
     # out waiting") or the store's ("DistStoreError: wait timeout"): both get the hint
-    assert re.match(r"FAIL \[3 ranks\] the launch failed: "
-                    r"(RuntimeError: .*Timed out waiting|.*DistStoreError: wait timeout)", lines[-1])
+    assert re.match(r"FAIL \[3 ranks\] the launch failed: (RuntimeError: .*Timed out "
+                    r"waiting|.*DistStoreError: wait timeout)", lines[-1])
     assert lines[-1].endswith(": a stage waited for a tensor no stage sent: does each recv name "
                               "the stage that sends it (activations come from rank - 1, "
                               "gradients from rank + 1)?")
@@ -159,14 +162,14 @@ def test_megatron_passes(checks):
 
 
 @pytest.mark.second_nproc
-def test_megatron_without_f_is_named(checks):
-    ok, lines, _ = checks["megatron_no_f"]
+def test_megatron_without_f_is_named(halved):
+    ok, lines, _ = halved["megatron_no_f"]
     assert not ok
-    assert lines[-1] == ("FAIL [4 ranks] backward: 0 all_reduce(s) of 0 B in all; Megatron's "
+    assert lines[-1] == ("FAIL [2 ranks] backward: 0 all_reduce(s) of 0 B in all; Megatron's "
                          "MLP makes 1 of 65536 B: f's backward all-reduces, g's passes the "
                          "gradient on")
-    ok, lines, _ = checks["megatron_f_forward"]
+    ok, lines, _ = halved["megatron_f_forward"]
     assert not ok
-    assert lines[-1] == ("FAIL [4 ranks] forward: 2 all_reduce(s) of 131072 B in all; "
+    assert lines[-1] == ("FAIL [2 ranks] forward: 2 all_reduce(s) of 131072 B in all; "
                          "Megatron's MLP makes 1 of 65536 B: g's forward all-reduces, f's "
                          "passes x on")
