@@ -22,7 +22,7 @@ from conftest import LAUNCHER, launcher_env, run_in_process, run_papermill
 from distkit.course import notebook
 
 SCRIPT = "ch07_debugging/buggy_train.py"
-TIMEOUT = 5     # the process-group timeout the notebook uses
+TIMEOUT = 5     # process-group timeout of these runs (three at once; the notebook uses 3)
 LIMIT = 120     # seconds a failing launch may take (the notebook's LIMIT): ~15 s idle; a hang
                 # would never end
 
