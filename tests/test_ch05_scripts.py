@@ -2,11 +2,12 @@
 train_ckpt.py and formats.py), and distkit.ckpt.CheckpointDir's rules (atomic commit, checks,
 keep-last-K, steps past 999,999) on fake folders, in this process, and on 2 forked gloo ranks
 that see the folder differently (they must agree, and not hang). The notebook (nbval) runs the
-scripts for real: train_ckpt.py uninterrupted, killed mid-run, killed inside an async save,
-with a corrupted checkpoint (resumed from --async checkpoints), and resharded 2 -> 1, 3;
-formats.py on a good checkpoint. It asserts every result (bit-identical resumes, loaded ==
-saved, equal round trips and logits, the async host copy). One small kill + resume runs here
-too, against a run that never stopped, so that a broken resume fails in tests/ as well."""
+scripts for real: train_ckpt.py uninterrupted, killed mid-run (restarted by torchrun), killed
+inside an async save (no restart), resumed past that unfinished save and a corrupted checkpoint
+(--async), and resharded 2 -> 3; formats.py on a good checkpoint (2 -> 1 process). It asserts
+every result (bit-identical resumes, loaded == saved, equal round trips and logits, the async
+host copy). One small kill + resume runs here too, against a run that never stopped, so that a
+broken resume fails in tests/ as well."""
 import json
 import multiprocessing
 import os
@@ -75,8 +76,8 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(tmp_path, mod
     """MAX_RESTARTS=1 CRASH_AT=step:12: the last rank dies by SIGKILL after step 12, its peer
     fails on the lost connection, torchrun restarts the group and attempt 1 resumes from step 10
     (with --async from step 5: step 10's upload is committed only at the next save). The
-    notebook (nbval) runs the sync kill and two --async resumes once in `make test` with their
-    bit-identity checks; `make stress` repeats these small ones under load."""
+    notebook (nbval) runs the sync kill and an --async kill and resume once in `make test` with
+    their bit-identity checks; `make stress` repeats these small ones under load."""
     proc = run_launcher(2, "ch05_checkpoint/train_ckpt.py", "--samples", 128, "--batch-size", 4,
                         "--epochs", 1, "--save-every", 5, "--ckpt-dir", tmp_path / "ckpt",
                         "--resume", "--json", tmp_path / "run.json", *mode,
