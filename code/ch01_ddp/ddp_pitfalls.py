@@ -2,7 +2,7 @@
 
     code/run_w_torchrun.sh 2 ch01_ddp/ddp_pitfalls.py --case print
     code/run_w_torchrun.sh 2 ch01_ddp/ddp_pitfalls.py          # every case but no-join
-    COURSE_TIMEOUT_S=5 code/run_w_torchrun.sh 2 ch01_ddp/ddp_pitfalls.py --case no-join  # fails
+    COURSE_TIMEOUT_S=3 code/run_w_torchrun.sh 2 ch01_ddp/ddp_pitfalls.py --case no-join  # fails
 
 print:      every rank's loss.item() is the loss of its own slice: N different numbers, none of
             them the training loss (the mean over the ranks). print() on every rank shows them in
