@@ -1,6 +1,7 @@
-"""Chapter 08's exercise through its checker: the solution passes, and four plausible wrong
-answers fail with a line that names the mistake (five launches of one process at once, ~3 CPU-s
-each: the exercise imports no torch; the checker's one --sweep launch answers 18 cases)."""
+"""Chapter 08's exercise through its checker: the solution passes, and six plausible wrong
+answers fail with a line that names the mistake (launches of one process at once, ~3 CPU-s
+each: the exercise imports no torch; the checker's --sweep launch answers 18 cases, and a
+second sweep at --max-gpus 24 checks the cap)."""
 import pytest
 
 exercise = pytest.importorskip("distkit.course.exercise")  # the checker (make exercise)
@@ -25,6 +26,15 @@ WRONG = {
                         "if gpus % tp == 0 and fits(peak_bytes(config, gpus=gpus, seq=seq, "
                         "tp=tp, ac=ac), gpu_gib):")],
                       "both fit; prefer less tensor parallelism, then less recomputation"),
+    # the cap left out of the search (range's end is exclusive): at --max-gpus 24, 70B at 8,192
+    # on H100s (exactly 24) finds nothing; the 18 uncapped cases all agree (review R45)
+    "cap excluded": (("for gpus in range(per_node, max_gpus + 1, per_node):",
+                      "for gpus in range(per_node, max_gpus, per_node):"),
+                     "is max_gpus itself searched (range's end is exclusive)?"),
+    # the cap ignored: the larger models answer past 24 GPUs
+    "cap ignored": (("for gpus in range(per_node, max_gpus + 1, per_node):",
+                     "for gpus in range(per_node, 4096 + 1, per_node):"),
+                    "is the search stopped at max_gpus?"),
 }
 
 
@@ -36,7 +46,9 @@ def test_fewest_gpus_solution_passes_and_wrong_answers_fail(tmp_path):
     assert ok, lines
     assert any("70b at 8192 on 79.6 GiB GPUs: 24 GPUs, tp 1, full fits" in ln for ln in lines)
     assert any("70b at 8192 on 140.4 GiB GPUs: 16 GPUs, tp 1, full fits" in ln for ln in lines)
-    assert lines[-1].startswith("PASS [1 rank] every answer of the sweep (18 cases) = ")
+    assert lines[-2].startswith("PASS [1 rank] every answer of the sweep (18 cases) = ")
+    assert lines[-1] == ("PASS [1 rank] with --max-gpus 24: every answer up to 24 GPUs, 24 "
+                         "itself included")
     for name, (_, message) in WRONG.items():
         ok, lines, _ = runs[name]
         assert not ok and message in lines[-1], (name, lines)

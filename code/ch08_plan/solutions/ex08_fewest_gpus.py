@@ -61,10 +61,12 @@ parser.add_argument("--gpu-gib", type=float, default=79.6,
 parser.add_argument("--sweep", action="store_true",
                     help="answer every model at 2,048, 8,192 and 32,768 tokens on 80 GB H100s "
                     "and 141 GB H200s instead (the table the checker compares)")
+parser.add_argument("--max-gpus", type=int, default=4096,
+                    help="search up to this many GPUs (default 4096; a multiple of 8)")
 parser.add_argument("--json", help="write the answer(s) here")
 args = parser.parse_args()
-if args.seq < 2 or args.gpu_gib <= 0:
-    parser.error("need --seq >= 2 and --gpu-gib > 0")
+if args.seq < 2 or args.gpu_gib <= 0 or args.max_gpus < 8 or args.max_gpus % 8:
+    parser.error("need --seq >= 2, --gpu-gib > 0 and --max-gpus a positive multiple of 8")
 # GPU memory as nvidia-smi reports it: an 80 GB H100 (81,559 MiB), a 141 GB H200 (143,771 MiB)
 cases = [(model, seq, gib) for model in sorted(LLAMA_CONFIGS) for seq in (2048, 8192, 32768)
          for gib in (81559 / 1024, 143771 / 1024)] if args.sweep else \
@@ -72,10 +74,11 @@ cases = [(model, seq, gib) for model in sorted(LLAMA_CONFIGS) for seq in (2048, 
 answers = []
 for model, seq, gib in cases:
     config = LLAMA_CONFIGS[model]
-    answer = fewest_gpus(config, seq, gib)
+    answer = fewest_gpus(config, seq, gib, max_gpus=args.max_gpus)
     answers.append([model, seq, gib, answer])
     if answer is None:
-        print(f"{model} at {seq} tokens fits no setting up to 4096 GPUs of {gib:.1f} GiB")
+        print(f"{model} at {seq} tokens fits no setting up to {args.max_gpus} GPUs of "
+              f"{gib:.1f} GiB")
         continue
     gpus, tp, ac = answer
     peak = peak_bytes(config, gpus=gpus, seq=seq, tp=tp, ac=ac)

@@ -79,3 +79,24 @@ def check_fewest_gpus(run):
            f"{what}: your answer {answer}, expected {want}{hint} ({len(wrong)} of "
            f"{len(res['answers'])} cases differ)" if wrong else
            f"the sweep answered {len(res['answers'])} cases, not 18")
+    # max_gpus is a cap the answer may reach: at --max-gpus 24, 70B at 8,192 on H100s needs
+    # exactly 24 (a search that stops one node short answers None) and the larger cases none
+    # (a search that ignores the cap answers them anyway)
+    try:
+        capped = run("--sweep", "--max-gpus", 24)
+    except Fail as fail:
+        raise Fail(f"{fail}" + (": this file has no --max-gpus: copy its lines from the current "
+                                "starter (git diff shows them)" if "--max-gpus" in str(fail)
+                                else "")) from None
+    wrong = [(f"{model} at {seq} on {gib:.1f} GiB GPUs", answer,
+              preferred(model, seq, gib, max_gpus=24))
+             for model, seq, gib, answer in capped["answers"]
+             if answer != preferred(model, seq, gib, max_gpus=24)]
+    what, answer, want = wrong[0] if wrong else ("", None, None)
+    hint = ("is max_gpus itself searched (range's end is exclusive)?" if want and answer is None
+            else "is the search stopped at max_gpus?" if answer and want is None else "")
+    yield (not wrong and len(capped["answers"]) == 18,
+           "with --max-gpus 24: every answer up to 24 GPUs, 24 itself included",
+           f"with --max-gpus 24, {what}: your answer {answer}, expected {want}: {hint} "
+           f"({len(wrong)} of {len(capped['answers'])} cases differ)" if wrong else
+           f"the capped sweep answered {len(capped['answers'])} cases, not 18")
