@@ -297,3 +297,11 @@ def test_whole_factors_are_named_both_ways():
         "g are 0.50x one process's: divided once too often?"
     assert gradient_matches({"gap": float("nan"), "scale": float("nan")}, 1e-4, "g", "S?",
                             "O?")[2] == "g are not finite (NaN or inf): O?"
+    # at 3 ranks a sum divided by a hard-coded 2 is 1.5x: named as the fraction it is (review
+    # R45: 01.1 and 03.1 at 3 ranks said only "1.6e-01 away"); 2/3 is a mean over 3 halved
+    assert gradient_matches({"gap": 0.5, "scale": 1.5}, 1e-4, "g", "S?", "O?")[2] == \
+        ("g are 1.50x one process's (3/2): divided by a fixed number where a count belongs "
+         "(the world size, m or K)?")
+    assert "(2/3)" in gradient_matches({"gap": 0.3, "scale": 2 / 3}, 1e-4, "g", "S?", "O?")[2]
+    assert gradient_matches({"gap": 0.2, "scale": 1.23}, 1e-4, "g", "S?", "O?")[2] == \
+        "g are 2.0e-01 (of the largest) away from one process's: O?"  # no simple fraction

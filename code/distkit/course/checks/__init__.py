@@ -57,14 +57,29 @@ def losses_match(mine, reference, tol, what="one process's", scaled=None, later=
             f"{tol:.0e}){hint}" if bad else f"{label}{len(mine)} losses for {len(reference)} steps")
 
 
+def simple_fraction(ratio):
+    """(p, q) when `ratio` is p/q for small whole p and q > 1 in lowest terms (3/2: a sum over 3
+    ranks divided by 2), within 1e-3 of it; None otherwise."""
+    if not ratio or not math.isfinite(ratio) or ratio < 0:
+        return None
+    for q in range(2, 9):
+        p = round(ratio * q)
+        if p >= 1 and math.gcd(p, q) == 1 and abs(ratio - p / q) < 1e-3 * ratio:
+            return p, q
+    return None
+
+
 def gradient_matches(check, tol, subject, scaled_hint, off_hint, label="", be="are",
-                     divided_hint="divided once too often?"):
+                     divided_hint="divided once too often?",
+                     fraction_hint="divided by a fixed number where a count belongs (the world "
+                     "size, m or K)?"):
     """A script's step-1 gradient check, {"gap": max |mine - one process's| / max |one
     process's|, "scale": <mine, one process's> / <one process's, one process's>} (None: no
     gradient), as (ok, passed, failed). `subject` names what was compared ("the gradients
     after step 1", and `be` its verb); a whole multiple k > 1 of one process's gradient is
-    named with `scaled_hint` (a sum where a mean was due), 1/k with `divided_hint`, any other
-    gap with `off_hint`; NaN and inf fail."""
+    named with `scaled_hint` (a sum where a mean was due), 1/k with `divided_hint`, a simple
+    fraction p/q (at 3 ranks a sum divided by 2: 3/2) with `fraction_hint`, any other gap with
+    `off_hint`; NaN and inf fail."""
     gap, scale = check["gap"], check["scale"]
     passed = f"{label}{subject} = one process's (< {tol:.0e} of the largest)"
     if gap is None:
@@ -76,5 +91,9 @@ def gradient_matches(check, tol, subject, scaled_hint, off_hint, label="", be="a
     factor = whole_factor(scale, scaled_hint, divided_hint)
     if factor:
         return False, passed, f"{label}{subject} {be} {scale:.2f}x one process's: {factor[1]}"
+    fraction = simple_fraction(scale) if fraction_hint else None
+    if fraction:
+        return False, passed, (f"{label}{subject} {be} {scale:.2f}x one process's "
+                               f"({fraction[0]}/{fraction[1]}): {fraction_hint}")
     return False, passed, (f"{label}{subject} {be} {gap:.1e} (of the largest) away from one "
                            f"process's: {off_hint}")
