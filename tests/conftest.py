@@ -53,6 +53,16 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{sum(per_file.values()):8.1f}  in all")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs two test files at a time), the tests marked `alone`
+    (they measure the machine's load) are left to the run that follows, one test at a time."""
+    if getattr(config.option, "numprocesses", None):
+        alone = [item for item in items if item.get_closest_marker("alone")]
+        if alone:
+            config.hook.pytest_deselected(items=alone)
+            items[:] = [item for item in items if not item.get_closest_marker("alone")]
+
+
 def launcher_env(env=None) -> dict:
     """This environment, with this test run's Python for the launcher; None values unset."""
     full = {**os.environ, "PYTHON": sys.executable, **(env or {})}

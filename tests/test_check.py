@@ -109,6 +109,7 @@ def test_ptrace_denied_is_a_warning_with_the_fix():
     assert result.status == "WARN" and result.fix
 
 
+@pytest.mark.alone
 def test_a_real_run_passes_within_its_budget():
     """Every check on this machine: PASS or WARN, exit 0. The budget (60 s after set-up) is
     checked in CPU-seconds, which a busy machine does not inflate as it does wall time."""

@@ -93,6 +93,7 @@ SPIN = "import time\nt = time.process_time() + {}\nwhile time.process_time() < t
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="record reads /proc/stat (Linux)")
+@pytest.mark.alone
 def test_record_tells_other_programs_load_from_its_own():
     """distkit.course.record refuses a recording made beside other programs' load: per cell, the
     machine's busy CPU-seconds less its own (the recorder, its kernel and whatever they start).
