@@ -74,13 +74,13 @@ exercises: setup
 	  "make exercise EX=NN.k)" >&2
 	$(BIN)/python -m distkit.course.exercise --write$(if $(FORCE), --force)
 
-# Two test files at a time (pytest-xdist; TEST_JOBS=1: one at a time): on 2 cores one file's
-# waits (a launch's start, a demo's timeout) overlap the other's work. The tests that measure
-# the machine's load (marked alone) then run on their own.
+# The script tests two files at a time (pytest-xdist; TEST_JOBS=1: one at a time): on 2 cores
+# one file's waits (a launch's start, a demo's timeout) overlap the other's work. Then the
+# notebooks (nbval) and the tests that measure the machine's load, one at a time.
 TEST_JOBS ?= 2
 test: setup
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --durations=25
-	$(BIN)/python -m pytest -m alone tests
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest -m "notebook or alone" --durations=10
 
 # The course's style (ruff.toml: pyflakes, pycodestyle, 100 characters); CI runs it.
 lint: setup

@@ -53,14 +53,21 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{sum(per_file.values()):8.1f}  in all")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test` runs two test files at a time), the tests marked `alone`
-    (they measure the machine's load) are left to the run that follows, one test at a time."""
-    if getattr(config.option, "numprocesses", None):
-        alone = [item for item in items if item.get_closest_marker("alone")]
-        if alone:
-            config.hook.pytest_deselected(items=alone)
-            items[:] = [item for item in items if not item.get_closest_marker("alone")]
+    """`make test` runs the script tests two files at a time (pytest-xdist), then the notebooks
+    and the tests that measure the machine's load (marked alone) one at a time: a notebook's
+    nbval time is then what a learner waits, and a load measurement sees no other test. So an
+    xdist worker leaves those to the second run; every notebook cell is marked `notebook`."""
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.notebook)
+    if hasattr(config, "workerinput"):  # an xdist worker (the controller collects nothing)
+        later = [item for item in items if item.get_closest_marker("notebook")
+                 or item.get_closest_marker("alone")]
+        if later:
+            config.hook.pytest_deselected(items=later)
+            items[:] = [item for item in items if item not in later]
 
 
 def launcher_env(env=None) -> dict:

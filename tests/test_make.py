@@ -85,8 +85,8 @@ def test_clean_removes_build_and_checkpoints_but_not_the_venv(tmp_path):
 
 
 @pytest.mark.parametrize("target, command", [
-    ("test", ".venv/bin/python -m pytest -n 2 --dist loadfile --durations=25\n"
-             ".venv/bin/python -m pytest -m alone tests"),
+    ("test", ".venv/bin/python -m pytest -n 2 --dist loadfile --durations=15\n"
+             ".venv/bin/python -m pytest -m \"notebook or alone\" --durations=10"),
     ("test-nproc", ".venv/bin/python -m pytest -m second_nproc tests"),
     ("stress", ".venv/bin/python tests/stress.py"),
     ("course", ".venv/bin/python -m distkit.course.run_course"),

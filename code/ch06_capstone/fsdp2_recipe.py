@@ -268,5 +268,13 @@ if rank == 0:
     print(f"step {step}" + (f": loss {logged:.4f}" if logged is not None else "")
           + ((" (stopped by SIGTERM, saved)" if step > start else " (stopped by SIGTERM)")
              if stopping else ""))
+if log:
+    log.close()
 dist.barrier()
 dist.destroy_process_group()
+# Out at once (as train_llama.py's distkit.teardown does): the model still holds gloo's work
+# objects, and freeing them during the interpreter's shutdown can abort the process ("terminate
+# called without an active exception"; seen here under load; pytorch/pytorch PR #179291).
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
