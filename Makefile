@@ -94,9 +94,10 @@ record: setup
 
 # Every notebook once more under papermill at another process count (3; 4 for ch. 02), scripts and
 # exercises at 3-4 ranks, and the exercises' wrong answers beyond the one `make test` keeps each:
-# kept out of `make test`'s budget; CI (.ci/run, the GitHub workflow) runs both.
+# kept out of `make test`'s budget; CI (.ci/run, the GitHub workflow) runs both. Two test files
+# at a time, as make test's script tests.
 test-nproc: setup
-	$(BIN)/python -m pytest -m second_nproc tests
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile -m second_nproc tests
 
 # The tests that could depend on which rank fails or prints first (failure demos, launcher,
 # restarts), STRESS_N times (default 20) with every core kept busy: not part of `make test`.
