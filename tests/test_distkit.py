@@ -153,6 +153,24 @@ def test_run_course_reports_pass_and_fail(tmp_path):
     assert (tmp_path / "build" / "01_ok.kernel.log").exists()
 
 
+def test_run_course_runs_notebooks_side_by_side(tmp_path):
+    """--jobs 2: each notebook's CPU-seconds are still its own (a worker runs one at a time),
+    the rows keep the notebooks' order, and the elapsed time is printed beside their sum."""
+    burn = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', " \
+        "'import time\\nwhile time.process_time() < {}: pass'], check=True)"
+    for name, secs in (("01_a.ipynb", 1.5), ("02_b.ipynb", 0.1)):
+        write_notebook(tmp_path / name, burn.format(secs))
+    proc = subprocess.run([sys.executable, "-m", "distkit.course.run_course", "--jobs", "2",
+                           "--out", str(tmp_path / "build"), str(tmp_path / "01_a.ipynb"),
+                           str(tmp_path / "02_b.ipynb")], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(CODE)}, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("0")]
+    assert [r[:2] for r in rows] == [["01_a.ipynb", "pass"], ["02_b.ipynb", "pass"]]
+    assert float(rows[0][3]) >= 1.5 > float(rows[1][3])  # each its own child's CPU
+    assert proc.stdout.splitlines()[-1].endswith("(2 notebooks at a time)")
+
+
 def test_launch_expect_failure_shows_rank_errors(capsys):
     launch(2, "ch00_collectives/collectives.py", "--op", "broadcast", env={"COURSE_DEVICE": "tpu"},
            expect_failure=True)

@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import os
 import resource
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -62,8 +64,8 @@ FAST = {
 class Progress:
     """One line per code cell on stderr (CI logs); on a terminal, one line rewritten in place."""
 
-    def __init__(self, stream=sys.stderr):
-        self.stream, self.tty = stream, stream.isatty()
+    def __init__(self, stream=sys.stderr, tty: bool = True):
+        self.stream, self.tty = stream, tty and stream.isatty()
 
     def start(self, label: str, cells: int) -> None:
         self.label, self.cells, self.n, self.t0 = label, cells, 0, time.perf_counter()
@@ -116,6 +118,31 @@ def minutes(secs: float) -> str:
     return f"{int(secs / 60 + 0.5)} min" if secs >= 90 else f"{secs:.0f} s"
 
 
+def run_notebook(label: str, nb: Path, nb_params: dict, out: Path, tty: bool = True) -> tuple:
+    """Execute one notebook into `out`: (name, "pass" or "FAIL", wall seconds, CPU-seconds)."""
+    progress = Progress(tty=tty)
+    progress.start(label, code_cells(nb, nb_params))
+    t0, cpu0 = time.perf_counter(), children_cpu()
+    # each launch's script, ranks, wall and CPU-s (distkit.course.launch_cost reads them)
+    launches = out / "launches" / f"{nb.stem}.jsonl"
+    launches.parent.mkdir(exist_ok=True)
+    launches.write_text("")
+    os.environ["COURSE_LAUNCH_LOG"] = str(launches.resolve())
+    try:
+        papermill.execute_notebook(
+            nb, out / nb.name, parameters=nb_params, cwd=nb.resolve().parent,
+            progress_bar=False, on_cell_execute=progress.cell,
+            kernel_manager_class=kernel_logging_to(out / f"{nb.stem}.kernel.log"))
+        status, detail = "pass", ""
+    except Exception as e:  # papermill raises PapermillExecutionError with the cell's error
+        status = "FAIL"
+        detail = f" in cell {progress.n}: {type(e).__name__}: " + \
+            (str(e).strip().splitlines() or [""])[-1]
+    secs, cpu = time.perf_counter() - t0, children_cpu() - cpu0
+    progress.show(f"{status} after {secs:.0f} s ({cpu:.0f} CPU-s){detail}", last=True)
+    return nb.name, status, secs, cpu
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", type=Path,
@@ -125,7 +152,12 @@ def main(argv=None) -> int:
                         help="papermill parameter for every notebook, e.g. -p NPROC=4")
     parser.add_argument("--fast", action="store_true",
                         help="each notebook with its FAST parameters (a live session's)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="J",
+                        help="notebooks run at a time (default 1; each notebook's time then "
+                             "includes waiting for the cores the others use)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     logging.basicConfig(format="%(name)s: %(message)s")  # say who warns ("papermill: ...")
     params = {}
     for p in args.param:
@@ -134,44 +166,36 @@ def main(argv=None) -> int:
             parser.error(f"--param wants NAME=VALUE, got {p!r}")
         params[name] = int(value) if value.lstrip("-").isdigit() else value
     notebooks = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    missing = [str(nb) for nb in notebooks if not nb.is_file()]
+    if missing:
+        parser.error(f"no such notebook: {', '.join(missing)}")
     args.out.mkdir(parents=True, exist_ok=True)
 
     # Expected time: this machine's last run of each notebook, else a 2-core laptop's guess.
     times_file = args.out / "course_times.json"
     last = json.loads(times_file.read_text()) if times_file.exists() else {}
-    expected = sum(wall_of(last.get(nb.name, GUESS_S)) for nb in notebooks)
+    expected = sum(wall_of(last.get(nb.name, GUESS_S)) for nb in notebooks) / args.jobs
     basis = "as the last run here" if all(nb.name in last for nb in notebooks) else "on 2 cores"
     out = os.path.relpath(args.out) if args.out.resolve().is_relative_to(Path.cwd()) else args.out
     print(f"Running {len(notebooks)} notebook(s) into {out}/, expected about {minutes(expected)} "
           f"{basis}{'; parameters: ' + str(params) if params else ''}",
           file=sys.stderr, flush=True)
 
-    progress = Progress()
-    rows = []
-    for i, nb in enumerate(notebooks, 1):
-        nb_params = {**(FAST.get(nb.name, {}) if args.fast else {}), **params}
-        progress.start(f"[{i}/{len(notebooks)}] {nb.name}", code_cells(nb, nb_params))
-        t0, cpu0 = time.perf_counter(), children_cpu()
-        # each launch's script, ranks, wall and CPU-s (distkit.course.launch_cost reads them)
-        launches = args.out / "launches" / f"{nb.stem}.jsonl"
-        launches.parent.mkdir(exist_ok=True)
-        launches.write_text("")
-        os.environ["COURSE_LAUNCH_LOG"] = str(launches.resolve())
-        try:
-            papermill.execute_notebook(
-                nb, args.out / nb.name, parameters=nb_params, cwd=nb.resolve().parent,
-                progress_bar=False, on_cell_execute=progress.cell,
-                kernel_manager_class=kernel_logging_to(args.out / f"{nb.stem}.kernel.log"))
-            status, detail = "pass", ""
-        except Exception as e:  # papermill raises PapermillExecutionError with the cell's error
-            status = "FAIL"
-            detail = f" in cell {progress.n}: {type(e).__name__}: " + \
-                (str(e).strip().splitlines() or [""])[-1]
-        secs, cpu = time.perf_counter() - t0, children_cpu() - cpu0
-        progress.show(f"{status} after {secs:.0f} s ({cpu:.0f} CPU-s){detail}", last=True)
-        rows.append((nb.name, status, secs, cpu))
+    runs = [(f"[{i}/{len(notebooks)}] {nb.name}", nb,
+             {**(FAST.get(nb.name, {}) if args.fast else {}), **params}, args.out)
+            for i, nb in enumerate(notebooks, 1)]
+    started = time.perf_counter()
+    if args.jobs > 1:
+        # Each worker runs one notebook at a time, so its children's CPU-seconds are that
+        # notebook's. Progress as plain lines: two notebooks share the console.
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
+            rows = list(pool.map(run_notebook, *zip(*runs), [False] * len(runs)))
+    else:
+        rows = [run_notebook(*run) for run in runs]
+    for name, status, secs, cpu in rows:
         if status == "pass" and not args.fast:  # the estimate is the full run's
-            last[nb.name] = {"seconds": round(secs), "cpu_seconds": round(cpu)}
+            last[name] = {"seconds": round(secs), "cpu_seconds": round(cpu)}
     times_file.write_text(json.dumps(last, indent=1) + "\n")
 
     width = max([len(row[0]) for row in rows] + [8])
@@ -180,6 +204,9 @@ def main(argv=None) -> int:
         print(f"{name:<{width}}  {status:<6}  {secs:7.1f}  {cpu:7.1f}")
     wall, cpu = sum(r[2] for r in rows), sum(r[3] for r in rows)
     print(f"{'total':<{width}}  {'':<6}  {wall:7.1f}  {cpu:7.1f}")
+    if args.jobs > 1:
+        print(f"{'elapsed':<{width}}  {'':<6}  {time.perf_counter() - started:7.1f}  "
+              f"({args.jobs} notebooks at a time)")
     failed = [row[0] for row in rows if row[1] != "pass"]
     if failed:
         print(f"failed: {', '.join(failed)} (executed copies in {args.out})", file=sys.stderr)
