@@ -81,6 +81,29 @@ def test_nbval_fails_a_cell_whose_launch_fails(tmp_path, call, why):
     assert any(why in line for line in tail), proc.stdout  # the script's line, not the command
 
 
+def test_run_here_runs_a_script_in_this_python_as_run_python_would(capsys, tmp_path):
+    """run_here (a one-process script in the kernel, no second Python): the command line, the
+    script's output with the repo's paths relative, argparse's --help as a success, a script's
+    exit with a message as LaunchFailed carrying it, and sys.argv and sys.path as they were."""
+    from distkit.course.notebook import ROOT as NB_ROOT, LaunchFailed, run_here
+    argv, path = list(sys.argv), list(sys.path)
+    run_here("ch06_capstone/corpus.py", "--help", "--data-dir", NB_ROOT / "build" / "x")
+    out = capsys.readouterr().out
+    assert out.startswith("$ PYTHONPATH=code python code/ch06_capstone/corpus.py --help "
+                          "--data-dir build/x\n"), out
+    assert "usage: corpus.py" in out  # argparse's prog: the script's name, as from a shell
+    with pytest.raises(LaunchFailed) as e:  # sys.exit("...") before any process group
+        run_here("ch00_collectives/hello_torchrun.py")
+    assert e.value.returncode == 1 and "not started by torchrun" in str(e.value)
+    assert "not started by torchrun" in capsys.readouterr().out  # shown, as Python would
+    script = tmp_path / "prints_a_path.py"
+    script.write_text(f"import sys\nprint('wrote {NB_ROOT}/build/ch06/a/hf')\n"
+                      "print('a terminal:', sys.stderr.isatty())\n")  # tqdm(disable=None) asks
+    run_here(script)  # outside code/: CODE / an absolute path is that path
+    assert capsys.readouterr().out.endswith("wrote build/ch06/a/hf\na terminal: False\n")
+    assert sys.argv == argv and sys.path == path
+
+
 def test_launch_output_names_paths_relative_to_the_repo():
     """Scripts print absolute paths ("exported to /home/me/course/build/ch06/a/hf"): the notebook
     shows them from the repo root, so a stored output reads the same in every checkout."""

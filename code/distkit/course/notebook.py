@@ -291,13 +291,16 @@ _STORE_GONE = re.compile(r"^\[W[^\n]*TCPStore[^\n]*Connection was likely closed[
 _WAITING = re.compile(r"^run_w_torchrun.sh: waiting for \d+ nodes at .*\n", re.M)
 
 
-def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 600) -> None:
+def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 600,
+                 stop_when=None) -> None:
     """Rehearse a multi-node launch on this machine: `nnodes` launchers, each with NPROC
     processes, started at once with NNODES and RDZV_ENDPOINT=127.0.0.1:<a free port>, as each
     node of a cluster would run it. torchrun's c10d rendezvous assigns the ranks. Prints each
     "node"'s output once all are done (node order, so it reads the same every time) and raises
     CalledProcessError if any failed; after `timeout` seconds, stops them all and raises
     TimeoutExpired (a "node" that never joins would otherwise keep the others waiting).
+    `stop_when`, as for launch: SIGTERM to every "node" once it returns True (a job preempted on
+    all its nodes); their exit status 143 (torchrun ended by SIGTERM) is then no failure.
     On a machine with CUDA GPUs each "node" sees its own block of NPROC of them
     (CUDA_VISIBLE_DEVICES), as a real node does: each node's ranks have LOCAL_RANK 0..NPROC-1,
     and two "nodes" sharing cuda:0 would make NCCL refuse ("Duplicate GPU detected")."""
@@ -318,6 +321,9 @@ def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 6
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**env, **({"CUDA_VISIBLE_DEVICES": gpus[n]} if gpus else {})})
              for n in range(nnodes)]
+    if stop_when is not None:
+        for p in procs:  # each polls on its own: the ranks agree on the stop in their step
+            threading.Thread(target=_stop_when, args=(p, stop_when), daemon=True).start()
     deadline = time.monotonic() + timeout
     try:
         outputs = [p.communicate(timeout=max(1, deadline - time.monotonic()))[0] for p in procs]
@@ -336,7 +342,7 @@ def launch_nodes(nnodes: int, nproc: int, script: str, *args, timeout: float = 6
         print(f"--- node {node} (exit status {p.returncode}) ---\n{_relative(shown)}", end="",
               flush=True)
     for p, out in zip(procs, outputs):
-        if p.returncode:
+        if p.returncode and not (stop_when is not None and p.returncode == 128 + signal.SIGTERM):
             raise LaunchFailed(p.returncode, cmd, out)
 
 
@@ -380,6 +386,53 @@ def run_python(script: str, *args) -> None:
         lines.append(line)
     if proc.wait():
         raise LaunchFailed(proc.returncode, cmd, "".join(lines))
+
+
+class _Relative:
+    """A text stream for run_here: writes to `stream` with the repo's absolute path cut
+    (_relative), and keeps what was written (for LaunchFailed's message)."""
+
+    def __init__(self, stream):
+        self.stream, self.kept = stream, []
+
+    def write(self, text: str) -> int:
+        self.kept.append(text)
+        return self.stream.write(_relative(text))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:  # a pipe, as for run_python: no progress bars (tqdm asks)
+        return False
+
+
+def run_here(script: str, *args) -> None:
+    """Run a one-process script in this Python (the kernel) as `python code/SCRIPT ARGS...`
+    would: the same output and files, without a second Python that imports torch again (about
+    1.5 CPU-seconds, 3 with transformers). Only for scripts that start no process group and
+    change nothing in this process that later cells rely on. stdout and stderr come together,
+    as run_python shows them; a non-zero exit raises LaunchFailed, as run_python does."""
+    import contextlib
+    import runpy
+    path = CODE / script
+    print("$ PYTHONPATH=code python", shlex.join([f"code/{script}", *map(_shown, args)]),
+          flush=True)
+    argv, path_before = sys.argv, list(sys.path)
+    sys.argv = [str(path), *map(str, args)]
+    sys.path.insert(0, str(path.parent))  # as `python SCRIPT` puts the script's folder first
+    out, code = _Relative(sys.stdout), 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:  # sys.exit(...), parser.error(), --help
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, (int, type(None))):  # sys.exit("message"): Python prints it
+            out.write(f"{e.code}\n")
+    finally:
+        sys.argv, sys.path[:] = argv, path_before
+        out.flush()
+    if code:
+        raise LaunchFailed(code, [sys.executable, str(path), *map(str, args)], "".join(out.kept))
 
 
 def run_failing(cmd: list, limit: float, hide: dict | None = None) -> None:
