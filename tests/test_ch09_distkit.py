@@ -14,6 +14,16 @@ from distkit import cp, cpep, moe
 from distkit.memory import LLAMA_CONFIGS, llama_training_bytes
 
 
+# --- distkit.comm (the byte counts of §4-§8 are its log) ------------------------------------------
+
+def test_collective_log_knows_every_c10d_op_commdebugmode_does():
+    """distkit.comm writes CommDebugMode's list of c10d collectives out (importing torch's module
+    costs every rank a torch._inductor import); a torch that adds one to its list fails here."""
+    from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
+    from distkit.comm import c10d_collective_ops as ours
+    assert ours == c10d_collective_ops
+
+
 # --- distkit.cp ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("seq, n", [(16, 2), (48, 3), (64, 4), (8192, 8)])

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops  # CommDebugMode's list
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Kineto (the profiler's engine) logs "USDT: <time> <pid> profiler_start/stop" lines at every
@@ -46,6 +45,13 @@ NAMES = {"_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "
          # functional collectives (DTensor's redistributions, e.g. a gradient norm's sum)
          "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
          "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+# CommDebugMode's list of c10d ops (torch.distributed.tensor.debug._comm_mode.c10d_collective_ops),
+# written out: importing that module imports torch._inductor, about 0.4 CPU-s in every rank
+c10d_collective_ops = {getattr(torch.ops.c10d, n) for n in (
+    "_allgather_base_", "_reduce_scatter_base_", "allgather_", "allgather_coalesced_",
+    "allgather_into_tensor_coalesced_", "allreduce_", "allreduce_coalesced_", "alltoall_",
+    "alltoall_base_", "broadcast_", "gather_", "scatter_", "reduce_", "reduce_scatter_",
+    "reduce_scatter_tensor_coalesced_")}
 FUNCOL = {getattr(torch.ops._c10d_functional, n) for n in
           ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")}
 
