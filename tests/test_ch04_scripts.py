@@ -29,18 +29,21 @@ def test_bad_input_one_line_error(monkeypatch, capsys, script, args, env, messag
 
 
 def test_one_process_fsdp2_and_meta_init_match_one_process_training(tmp_path):
-    """N = 1: fully_shard on a one-rank mesh is plain training; the meta-device init matches."""
+    """N = 1: fully_shard on a one-rank mesh is plain training; the meta-device init matches.
+    The one process is train_single.py, run by the same launch (--reference, as the notebook
+    does at N = 2)."""
     runs = run_scripts_at_once({
-        "single": ("ch01_ddp/train_single.py", ["--batch-size", 8, "--epochs", 1, "--samples",
-                                                64, "--json", tmp_path / "single.json"], {}),
         "fsdp2": ("ch04_fsdp2/train_fsdp2.py", ["--batch-size", 8, "--epochs", 1, "--samples",
-                                                64, "--json", tmp_path / "fsdp2.json"],
+                                                64, "--reference",
+                                                "--json", tmp_path / "fsdp2.json"],
                   ONE_PROCESS),
         "meta": ("ch04_fsdp2/meta_init.py", ["--json", tmp_path / "meta.json"], ONE_PROCESS)})
     for name, (status, _, err) in runs.items():
         assert status == 0, (name, err[-2000:])
-    one, sharded = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("single", "fsdp2"))
+    sharded = json.loads((tmp_path / "fsdp2.json").read_text())
+    one = sharded["reference"]
     single, fsdp2 = one["losses"], sharded["losses"]
+    assert "one process: epoch 0  step   8  loss" in runs["fsdp2"][1]
     assert len(single) == len(fsdp2) == 8
     assert max(abs(a - b) for a, b in zip(single, fsdp2)) < 1e-5
     assert grad_check(sharded["grad_norms"], one["grad_norms"])["gap"] < 1e-5  # step 1's

@@ -8,7 +8,8 @@ becomes a DTensor sharded along its first dimension. Each decoder layer is one u
 parameters are all-gathered just before its forward and again before its backward, and freed
 after each; its gradients are reduce-scattered, so each rank keeps, and updates, its shard.
 With N processes and --batch-size b per process the losses and step 1's gradients match
-ch01_ddp/train_single.py --batch-size N*b up to float rounding.
+ch01_ddp/train_single.py --batch-size N*b up to float rounding; --reference has rank 0 run that
+one-process training itself, first, so one launch gives both.
 """
 import argparse
 import os
@@ -20,7 +21,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from distkit import print0, seed_everything, setup, teardown, write_json
-from distkit.dist import grad_norms
+from distkit.dist import grad_norms, one_process_reference
 from distkit.toy import counting_data, tiny_llama
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -30,12 +31,18 @@ parser.add_argument("--samples", type=int, default=256, help="sequences in the d
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--json", help="write per-step losses (and step 1's gradient norms) here")
+parser.add_argument("--reference", action="store_true",
+                    help="rank 0 first runs train_single.py --batch-size N*b (the one-process run "
+                    "to compare with); its losses and gradient norms go to the JSON")
 args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))  # NEW: every rank needs at least one batch
 if args.batch_size < 1 or args.samples < world * args.batch_size:
     parser.error(f"need 1 <= --batch-size and --samples >= {world} processes x --batch-size")
 
 env = setup()  # NEW: join the process group (chapter 00)
+reference = args.reference and one_process_reference(  # rank 0: train_single.py, in-process
+    "ch01_ddp/train_single.py", "--batch-size", env.world_size * args.batch_size,
+    "--epochs", args.epochs, "--samples", args.samples, "--lr", args.lr, "--seed", args.seed)
 seed_everything(args.seed)
 model = tiny_llama().to(env.device)
 # NEW: one FSDP unit per decoder layer (gathered, used and freed in turn), then the root unit:
@@ -73,6 +80,6 @@ for epoch in range(args.epochs):
 weight = model.model.embed_tokens.weight
 print0(f"embed_tokens.weight: {type(weight).__name__}, global shape {tuple(weight.shape)}, "
        f"this rank stores {tuple(weight.to_local().shape)}, placements {weight.placements}")
-write_json(args.json, {"losses": losses, "grad_norms": grads})
+write_json(args.json, {"losses": losses, "grad_norms": grads, "reference": reference or None})
 # (no --save: saving a sharded model, each rank its shards, is chapter 05's Distributed Checkpoint)
 teardown()

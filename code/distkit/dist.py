@@ -200,6 +200,33 @@ def grad_check(mine: dict[str, float], reference: dict[str, float]) -> dict:
             "scale": sum(a * b for a, b in zip(m, r)) / sum(b * b for b in r)}
 
 
+def one_process_reference(script: str, *args, label: str = "one process: ") -> dict | None:
+    """The one-process run a parity check compares with, inside this launch: rank 0 runs
+    SCRIPT (a one-process script, relative to code/, e.g. "ch01_ddp/train_single.py") in this
+    very process, as `python code/SCRIPT ARGS --json FILE` would, and returns the JSON it
+    writes; every other rank returns None (and waits for rank 0 at its next collective).
+    No second Python importing torch and transformers: the rank has them already. The
+    script's lines are printed with `label` in front. Call it before seeding: the script seeds
+    itself and leaves the random state where its run ended."""
+    if _rank() != 0:
+        return None
+    import contextlib
+    import io
+    import runpy
+    import tempfile
+    path, argv, out = CODE / script, sys.argv, io.StringIO()
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.argv = [str(path), *map(str, args), "--json", str(Path(tmp) / "reference.json")]
+        try:
+            with contextlib.redirect_stdout(out):
+                runpy.run_path(str(path), run_name="__main__")
+        finally:
+            sys.argv = argv
+        for line in out.getvalue().splitlines():
+            print(f"{label}{line}", flush=True)
+        return json.loads((Path(tmp) / "reference.json").read_text())
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     try:
