@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_in_process, run_json, run_papermill, run_scripts_at_once
-from distkit.dist import grad_check
+from distkit.dist import grad_check, one_process_reference
 from distkit.pipe import (LlamaStage, SavedActivations, idle_breakdown, idle_fractions,
                           lm_loss, split_layers)
 from distkit.toy import counting_data, tiny_llama
@@ -129,6 +129,19 @@ def test_one_process_reference_is_train_single(runs):
     assert len(naive) == len(single) == 32
     assert max(abs(a - b) for a, b in zip(naive, single)) < 1e-6
     assert grad_check(runs["grads"]["naive1"], runs["grads"]["single"])["gap"] < 1e-6
+
+
+def test_reference_in_the_launch_is_train_single(runs, capsys):
+    """--reference (the notebook's one launch): rank 0 runs train_single.py in its own process
+    through distkit.dist.one_process_reference; here without a process group, as rank 0 would.
+    Its losses and step-1 gradients are those of train_single.py run on its own, with the
+    arguments it was given (one epoch: the first 16 of the run's 32 steps)."""
+    ref = one_process_reference("ch01_ddp/train_single.py", "--epochs", 1)
+    single = runs["losses"]["single"]
+    assert len(ref["losses"]) == 16
+    assert max(abs(a - b) for a, b in zip(ref["losses"], single)) < 1e-6
+    assert grad_check(ref["grad_norms"], runs["grads"]["single"])["gap"] < 1e-6
+    assert "one process: epoch 0  step  16  loss 3.197" in capsys.readouterr().out
 
 
 def test_pipeline_matches_one_process_gradients_too(runs):

@@ -22,6 +22,7 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--layers", type=int, default=2, help="decoder layers")
 parser.add_argument("--json", help="write per-step losses (and step 1's gradient norms) here")
 parser.add_argument("--save", help="write a checkpoint here at the end")
 args = parser.parse_args()
@@ -30,7 +31,7 @@ if args.batch_size < 1 or args.samples < args.batch_size:
 
 device = pick_device()[0]  # the DDP scripts' device: cuda:0 on a GPU machine, else the CPU
 seed_everything(args.seed)
-model = tiny_llama().to(device)
+model = tiny_llama(layers=args.layers).to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 data = counting_data(args.samples)
 shuffle = torch.Generator()

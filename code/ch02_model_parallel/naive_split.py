@@ -5,10 +5,11 @@
 Rank r holds a contiguous slice of the layers; rank 0 also holds the embedding, the last rank
 the final norm, the LM head and the loss. Activations go forward with send/recv, and their
 gradients come back the same way. Otherwise this is chapter 01's train_single.py, step for step
-(new lines say # NEW), so its losses must match train_single.py's up to float rounding; on
-1 process it *is* train_single.py (one stage holds everything and sends nothing), which makes
-it the reference for any --layers. Each rank notes when it computes, and the timeline shows the
-catch: one rank works at a time.
+(new lines say # NEW), so its losses must match train_single.py's up to float rounding (on
+1 process it *is* train_single.py: one stage holds everything and sends nothing). With
+--reference, rank 0 first runs train_single.py itself, in its own process: the one-process run
+to compare with comes from the same launch. Each rank notes when it computes, and the timeline
+shows the catch: one rank works at a time.
 """
 import argparse
 import os
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, RandomSampler
 
 from distkit import print0, seed_everything, setup, teardown, write_json
-from distkit.dist import grad_norms
+from distkit.dist import grad_norms, one_process_reference
 from distkit.pipe import LlamaStage, Timeline, lm_loss, split_layers
 from distkit.toy import counting_data, tiny_llama
 
@@ -28,9 +29,12 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--layers", type=int, default=2, help="decoder layers (train_single.py's: 2)")
+parser.add_argument("--layers", type=int, default=2, help="decoder layers")
 parser.add_argument("--json", help="write per-step losses, step 1's gradient norms and every "
                     "rank's compute spans here")
+parser.add_argument("--reference", action="store_true",  # NEW
+                    help="rank 0 first runs train_single.py (one process: the reference), its "
+                    "losses and gradient norms to the JSON")
 args = parser.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))  # NEW: one slice of the layers per process
 if args.batch_size < 1 or args.samples < args.batch_size:
@@ -39,6 +43,10 @@ if args.layers < 1 or args.layers % world:
     parser.error(f"--layers {args.layers} must split evenly into N={world} processes")
 
 env = setup()  # NEW
+# NEW: the one-process run to compare with, in this launch: rank 0 runs train_single.py itself
+reference = args.reference and one_process_reference(
+    "ch01_ddp/train_single.py", "--batch-size", args.batch_size, "--epochs", args.epochs,
+    "--samples", args.samples, "--lr", args.lr, "--seed", args.seed, "--layers", args.layers)
 seed_everything(args.seed)
 model = tiny_llama(layers=args.layers)
 # NEW: every rank builds the whole (tiny) model from the same seed, so the weights are those of
@@ -110,5 +118,6 @@ dist.all_gather_object(sent_per_rank, sent // len(box[0]))
 write_json(args.json, {"losses": box[0], "grad_norms": grads, "spans": spans,
                        "sent_bytes_per_step": sent_per_rank,
                        "activation_bytes": args.batch_size * hidden_shape[1] * hidden_shape[2] * 4,
-                       "layers": split_layers(args.layers, env.world_size)})
+                       "layers": split_layers(args.layers, env.world_size),
+                       "reference": reference or None})
 teardown()
