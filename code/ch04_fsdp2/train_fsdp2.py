@@ -30,6 +30,7 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--layers", type=int, default=2, help="decoder layers")
 parser.add_argument("--json", help="write per-step losses (and step 1's gradient norms) here")
 parser.add_argument("--reference", action="store_true",
                     help="rank 0 first runs train_single.py --batch-size N*b (the one-process run "
@@ -42,9 +43,10 @@ if args.batch_size < 1 or args.samples < world * args.batch_size:
 env = setup()  # NEW: join the process group (chapter 00)
 reference = args.reference and one_process_reference(  # rank 0: train_single.py, in-process
     "ch01_ddp/train_single.py", "--batch-size", env.world_size * args.batch_size,
-    "--epochs", args.epochs, "--samples", args.samples, "--lr", args.lr, "--seed", args.seed)
+    "--epochs", args.epochs, "--samples", args.samples, "--lr", args.lr, "--seed", args.seed,
+    "--layers", args.layers)
 seed_everything(args.seed)
-model = tiny_llama().to(env.device)
+model = tiny_llama(layers=args.layers).to(env.device)
 # NEW: one FSDP unit per decoder layer (gathered, used and freed in turn), then the root unit:
 # embeddings, final norm and LM head, the parameters no layer holds. Inner units first, so their
 # parameters stay out of the root's. Default mesh: all ranks in 1D. Every rank built the same
