@@ -211,9 +211,10 @@ def test_notebook_at_four_processes(tmp_path):
 
 def check_results(out, n: int, layers: int) -> None:
     """What the notebook's scripts wrote (JSON in `out`) on n ranks, against what n stages and
-    the one-process run (naive_split.py --reference) imply: the naive split's layers and losses, the pipelines' peak
-    activations (GPipe holds all m micro-batches on every stage, 1F1B n - r on stage r), and
-    tensor parallelism's parity and all-reduce count (2 per layer each way, Megatron-LM)."""
+    the one-process run (naive_split.py --reference) imply: the naive split's layers and
+    losses, the pipelines' peak activations (GPipe holds all m micro-batches on every stage,
+    1F1B n - r on stage r), and tensor parallelism's parity and all-reduce count (2 per layer
+    each way, Megatron-LM)."""
     load = lambda name: json.loads((out / name).read_text())
     naive = load(f"naive{n}.json")
     single = naive["reference"]  # train_single.py, run by rank 0 of the same launch
