@@ -47,11 +47,12 @@ NAMES = {"_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "
          "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
 # CommDebugMode's list of c10d ops (torch.distributed.tensor.debug._comm_mode.c10d_collective_ops),
 # written out: importing that module imports torch._inductor, about 0.4 CPU-s in every rank
+# (an op an older torch lacks is left out: the GPU machines' torch can lag)
 c10d_collective_ops = {getattr(torch.ops.c10d, n) for n in (
     "_allgather_base_", "_reduce_scatter_base_", "allgather_", "allgather_coalesced_",
     "allgather_into_tensor_coalesced_", "allreduce_", "allreduce_coalesced_", "alltoall_",
     "alltoall_base_", "broadcast_", "gather_", "scatter_", "reduce_", "reduce_scatter_",
-    "reduce_scatter_tensor_coalesced_")}
+    "reduce_scatter_tensor_coalesced_") if hasattr(torch.ops.c10d, n)}
 FUNCOL = {getattr(torch.ops._c10d_functional, n) for n in
           ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")}
 
