@@ -121,8 +121,8 @@ def test_run_course_reports_pass_and_fail(tmp_path):
     nb.cells[0].metadata["tags"] = ["parameters"]
     nbformat.write(nb, ok)
     write_notebook(tmp_path / "02_bad.ipynb", "x = 1", "raise ValueError('boom')", "y = 2")
-    proc = subprocess.run([sys.executable, "-m", "distkit.course.run_course", "--out",
-                           str(tmp_path / "build"), "-p", "NPROC=4", str(ok),
+    proc = subprocess.run([sys.executable, "-m", "distkit.course.run_course", "--jobs", "1",
+                           "--out", str(tmp_path / "build"), "-p", "NPROC=4", str(ok),
                            str(tmp_path / "02_bad.ipynb")], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(CODE)},
                           timeout=300)
@@ -154,12 +154,19 @@ def test_run_course_reports_pass_and_fail(tmp_path):
 
 
 def test_run_course_runs_notebooks_side_by_side(tmp_path):
-    """--jobs 2: each notebook's CPU-seconds are still its own (a worker runs one at a time),
-    the rows keep the notebooks' order, and the elapsed time is printed beside their sum."""
-    burn = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', " \
-        "'import time\\nwhile time.process_time() < {}: pass'], check=True)"
-    for name, secs in (("01_a.ipynb", 1.5), ("02_b.ipynb", 0.1)):
-        write_notebook(tmp_path / name, burn.format(secs))
+    """--jobs 2: each notebook on cores of its own (its kernel and what the kernel starts see
+    only those), its CPU-seconds still its own (a worker runs one at a time), the rows in the
+    notebooks' order, and the elapsed time printed beside their sum."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    cell = ("import os, subprocess, sys\n"
+            "open({out!r}, 'w').write(' '.join(map(str, sorted(os.sched_getaffinity(0)))))\n"
+            "subprocess.run([sys.executable, '-c', "
+            "'import time\\nwhile time.process_time() < {secs}: pass'], check=True)")
+    for name, secs in (("01_a", 1.5), ("02_b", 0.1)):
+        write_notebook(tmp_path / f"{name}.ipynb",
+                       cell.format(out=str(tmp_path / f"{name}.cores"), secs=secs))
     proc = subprocess.run([sys.executable, "-m", "distkit.course.run_course", "--jobs", "2",
                            "--out", str(tmp_path / "build"), str(tmp_path / "01_a.ipynb"),
                            str(tmp_path / "02_b.ipynb")], capture_output=True, text=True,
@@ -169,6 +176,8 @@ def test_run_course_runs_notebooks_side_by_side(tmp_path):
     assert [r[:2] for r in rows] == [["01_a.ipynb", "pass"], ["02_b.ipynb", "pass"]]
     assert float(rows[0][3]) >= 1.5 > float(rows[1][3])  # each its own child's CPU
     assert proc.stdout.splitlines()[-1].endswith("(2 notebooks at a time)")
+    seen = [set(map(int, (tmp_path / f"{n}.cores").read_text().split())) for n in ("01_a", "02_b")]
+    assert seen[0].isdisjoint(seen[1]) and seen[0] | seen[1] == set(cores), seen
 
 
 def test_launch_expect_failure_shows_rank_errors(capsys):
