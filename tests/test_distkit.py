@@ -167,15 +167,21 @@ def test_run_course_runs_notebooks_side_by_side(tmp_path):
     for name, secs in (("01_a", 1.5), ("02_b", 0.1)):
         write_notebook(tmp_path / f"{name}.ipynb",
                        cell.format(out=str(tmp_path / f"{name}.cores"), secs=secs))
+    write_notebook(tmp_path / "03_bad.ipynb", "raise ValueError('boom')")
     proc = subprocess.run([sys.executable, "-m", "distkit.course.run_course", "--jobs", "2",
-                           "--out", str(tmp_path / "build"), str(tmp_path / "01_a.ipynb"),
-                           str(tmp_path / "02_b.ipynb")], capture_output=True, text=True,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(CODE)}, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+                           "--out", str(tmp_path / "build"),
+                           *(str(tmp_path / f"{n}.ipynb") for n in ("01_a", "02_b", "03_bad"))],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(CODE)}, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # a notebook failed
     rows = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("0")]
-    assert [r[:2] for r in rows] == [["01_a.ipynb", "pass"], ["02_b.ipynb", "pass"]]
+    assert [r[:2] for r in rows] == [["01_a.ipynb", "pass"], ["02_b.ipynb", "pass"],
+                                     ["03_bad.ipynb", "FAIL"]]
     assert float(rows[0][3]) >= 1.5 > float(rows[1][3])  # each its own child's CPU
     assert proc.stdout.splitlines()[-1].endswith("(2 notebooks at a time)")
+    assert any(ln.startswith("[3/3] 03_bad.ipynb  FAIL after ") and
+               ln.endswith("in cell 1: PapermillExecutionError: ValueError: boom")
+               for ln in proc.stderr.splitlines()), proc.stderr
     seen = [set(map(int, (tmp_path / f"{n}.cores").read_text().split())) for n in ("01_a", "02_b")]
     assert seen[0].isdisjoint(seen[1]) and seen[0] | seen[1] == set(cores), seen
 

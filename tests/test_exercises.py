@@ -149,6 +149,23 @@ def test_a_launch_error_names_its_line():
         "NameError: name 'undefined' is not defined"
 
 
+def test_a_launch_error_reads_its_own_ranks_traceback():
+    """Two ranks fail alike and their tracebacks interleave (seen in make test-nproc, two test
+    files at a time): the line is the failing rank's innermost frame, not the other rank's
+    outer one printed between."""
+    out = "\n".join([
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/x/ex.py", line 279, in <module>',
+        "[rank0]:     sync.finish()",
+        '[rank0]:   File "/x/ex.py", line 232, in finish',
+        "[rank1]: Traceback (most recent call last):",
+        '[rank1]:   File "/x/ex.py", line 279, in <module>',
+        "[rank0]:     assert len(self.inflight) == len(self.buckets)",
+        "[rank0]: AssertionError: a bucket's all_reduce was never launched"])
+    assert ex._launch_error(out, Path("/x/ex.py")) == \
+        "AssertionError: a bucket's all_reduce was never launched (at /x/ex.py:232)"
+
+
 def test_a_launch_error_is_the_cause_not_a_rank_that_saw_another_leave():
     """Whichever rank's output comes first: the rank that failed (or timed out) is named, not the
     one that found its peer gone."""

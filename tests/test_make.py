@@ -85,8 +85,9 @@ def test_clean_removes_build_and_checkpoints_but_not_the_venv(tmp_path):
 
 
 @pytest.mark.parametrize("target, command", [
-    ("test", ".venv/bin/python -m pytest -n 2 --dist loadfile --durations=15\n"
-             ".venv/bin/python -m pytest -m \"notebook or alone\" --durations=10"),
+    ("test", ".venv/bin/python -m pytest -n 2 --dist loadfile --durations=15; a=$?; \\\n"
+             ".venv/bin/python -m pytest -m \"(notebook or alone) and not second_nproc and not "
+             "stress\" \\\n  --durations=10; b=$?; exit $((a | b))"),
     ("test-nproc", ".venv/bin/python -m pytest -n 2 --dist loadfile -m second_nproc tests"),
     ("stress", ".venv/bin/python tests/stress.py"),
     ("course", ".venv/bin/python -m distkit.course.run_course"),

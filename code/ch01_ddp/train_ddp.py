@@ -25,6 +25,7 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--layers", type=int, default=2, help="decoder layers")
 parser.add_argument("--json", help="write per-step losses (and step 1's gradient norms) here")
 parser.add_argument("--save", help="write a checkpoint here at the end (rank 0)")
 args = parser.parse_args()
@@ -34,7 +35,7 @@ if args.batch_size < 1 or args.samples < world * args.batch_size:
 
 env = setup()  # NEW: join the process group (chapter 00)
 seed_everything(args.seed)
-model = tiny_llama().to(env.device)
+model = tiny_llama(layers=args.layers).to(env.device)
 # NEW: DDP broadcasts rank 0's weights, then all-reduces (averages) gradients during backward
 model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -29,6 +29,7 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--samples", type=int, default=256, help="sequences in the data set")
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--layers", type=int, default=2, help="decoder layers")
 parser.add_argument("--json", help="write per-step losses, step 1's gradient norms "
                                    "(and --log-comm records) here")
 parser.add_argument("--save", help="write a checkpoint here at the end of every epoch (rank 0); "
@@ -56,7 +57,7 @@ if args.resume and not os.path.isfile(args.resume):
 
 env = setup()  # NEW: join the process group (chapter 00)
 seed_everything(args.seed)
-model = tiny_llama().to(env.device)
+model = tiny_llama(layers=args.layers).to(env.device)
 # NEW: DDP broadcasts rank 0's weights, then all-reduces (averages) gradients during backward
 model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
             bucket_cap_mb=args.bucket_cap_mb,  # PLUS

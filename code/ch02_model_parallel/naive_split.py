@@ -7,9 +7,9 @@ the final norm, the LM head and the loss. Activations go forward with send/recv,
 gradients come back the same way. Otherwise this is chapter 01's train_single.py, step for step
 (new lines say # NEW), so its losses must match train_single.py's up to float rounding (on
 1 process it *is* train_single.py: one stage holds everything and sends nothing). With
---reference, rank 0 first runs train_single.py itself, in its own process: the one-process run
-to compare with comes from the same launch. Each rank notes when it computes, and the timeline
-shows the catch: one rank works at a time.
+--reference, rank 0 first runs train_single.py itself, inside its own process (no second
+Python): the one-process run to compare with comes from the same launch. Each rank notes when
+it computes, and the timeline shows the catch: one rank works at a time.
 """
 import argparse
 import os

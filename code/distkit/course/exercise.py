@@ -259,7 +259,11 @@ def _launch_error(out: str, script: Path | None = None) -> str:
     error before another's report that it left), else the launcher's own report, else the last
     line. An exception raised in `script` (the file being checked) gets its line:
     '... (at FILE:LINE)'."""
-    lines = [re.sub(r"^\[rank\d+\]: ", "", ln) for ln in out.splitlines() if ln.strip()]
+    raw = [ln for ln in out.splitlines() if ln.strip()]
+    # each line's rank ("[rank1]: ", once the process group names it), so that a traceback is
+    # read from its own rank's lines: two ranks' tracebacks can interleave
+    ranks = [re.match(r"(\[rank\d+\]: )?", ln).group(0) for ln in raw]
+    lines = [ln[len(rank):] for ln, rank in zip(raw, ranks)]
     for pattern in (r"^TODO\(you\) at ", r"^[\w.]*(Error|Exception)\b.*", r"^run_w_torchrun\.sh: "):
         hits = [(i, ln) for i, ln in enumerate(lines) if re.match(pattern, ln)]
         hits = [h for h in hits if not PEER_GONE.search(h[1])] or hits
@@ -267,7 +271,8 @@ def _launch_error(out: str, script: Path | None = None) -> str:
             i, line = hits[0]
             where = None
             if script is not None and not line.startswith("TODO"):
-                for frame in reversed(lines[:i]):  # its traceback's last frame in that file
+                own = [ln for ln, rank in zip(lines[:i], ranks[:i]) if rank == ranks[i]]
+                for frame in reversed(own):  # its traceback's last frame in that file
                     if frame.startswith("Traceback "):
                         break
                     m = re.match(r'\s*File "(.+)", line (\d+)', frame)

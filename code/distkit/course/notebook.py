@@ -409,15 +409,25 @@ class _Relative:
 def run_here(script: str, *args) -> None:
     """Run a one-process script in this Python (the kernel) as `python code/SCRIPT ARGS...`
     would: the same output and files, without a second Python that imports torch again (about
-    1.5 CPU-seconds, 3 with transformers). Only for scripts that start no process group and
-    change nothing in this process that later cells rely on. stdout and stderr come together,
-    as run_python shows them; a non-zero exit raises LaunchFailed, as run_python does."""
+    1.5 CPU-seconds, 3 with transformers). For scripts that leave no process group behind (a
+    simulation's fake one is destroyed by the script) and whose settings later cells do not
+    rely on. stdout and stderr come together, as run_python shows them; a non-zero exit raises
+    LaunchFailed, as run_python does. Afterwards the random generators are where they were (the
+    script seeds its own), and a log handler made while it ran (transformers makes its own at
+    its first import) writes to the kernel's stderr, not to this run's capture."""
     import contextlib
+    import logging
+    import random
     import runpy
+    import numpy as np
+    import torch
+    import torch.distributed as dist
     path = CODE / script
     print("$ PYTHONPATH=code python", shlex.join([f"code/{script}", *map(_shown, args)]),
           flush=True)
     argv, path_before = sys.argv, list(sys.path)
+    rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    had_group = dist.is_available() and dist.is_initialized()
     sys.argv = [str(path), *map(str, args)]
     sys.path.insert(0, str(path.parent))  # as `python SCRIPT` puts the script's folder first
     out, code = _Relative(sys.stdout), 0
@@ -430,7 +440,17 @@ def run_here(script: str, *args) -> None:
             out.write(f"{e.code}\n")
     finally:
         sys.argv, sys.path[:] = argv, path_before
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+            for handler in getattr(logger, "handlers", []):
+                if isinstance(handler, logging.StreamHandler) and handler.stream is out:
+                    handler.setStream(sys.stderr)
         out.flush()
+        if not had_group and dist.is_available() and dist.is_initialized():  # left behind
+            dist.destroy_process_group()
+            raise RuntimeError(f"{script} left its process group initialised: not for run_here")
     if code:
         raise LaunchFailed(code, [sys.executable, str(path), *map(str, args)], "".join(out.kept))
 

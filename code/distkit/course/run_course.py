@@ -193,7 +193,8 @@ def main(argv=None) -> int:
     # Expected time: this machine's last run of each notebook, else a 2-core laptop's guess.
     times_file = args.out / "course_times.json"
     last = json.loads(times_file.read_text()) if times_file.exists() else {}
-    expected = sum(wall_of(last.get(nb.name, GUESS_S)) for nb in notebooks) / args.jobs
+    expected = sum(wall_of(last.get(nb.name, GUESS_S)) for nb in notebooks) / \
+        min(args.jobs, len(notebooks))
     basis = "as the last run here" if all(nb.name in last for nb in notebooks) else "on 2 cores"
     out = os.path.relpath(args.out) if args.out.resolve().is_relative_to(Path.cwd()) else args.out
     print(f"Running {len(notebooks)} notebook(s) into {out}/, expected about {minutes(expected)} "
@@ -204,6 +205,7 @@ def main(argv=None) -> int:
              {**(FAST.get(nb.name, {}) if args.fast else {}), **params}, args.out)
             for i, nb in enumerate(notebooks, 1)]
     started = time.perf_counter()
+    args.jobs = min(args.jobs, len(runs))  # one notebook alone gets every core
     if args.jobs > 1:
         # Each worker runs one notebook at a time, so its children's CPU-seconds are that
         # notebook's, on cores of its own (see pin). Progress as plain lines: two notebooks
