@@ -200,6 +200,29 @@ def grad_check(mine: dict[str, float], reference: dict[str, float]) -> dict:
             "scale": sum(a * b for a, b in zip(m, r)) / sum(b * b for b in r)}
 
 
+def run_script(path: Path, args, out, err=None) -> int:
+    """Run a script in this process as `python SCRIPT ARGS` would (as __main__, its folder first
+    on sys.path), its stdout into `out` and its stderr into `err` (None: left as it is); returns
+    its exit status: sys.exit's, or 0 when it returns. sys.argv and sys.path are restored."""
+    import contextlib
+    import runpy
+    argv, path_before = sys.argv, list(sys.path)
+    sys.argv = [str(path), *map(str, args)]
+    sys.path.insert(0, str(Path(path).parent))
+    try:
+        with contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err) if err is not None else contextlib.nullcontext():
+            runpy.run_path(str(path), run_name="__main__")
+        return 0
+    except SystemExit as e:  # sys.exit(...), parser.error(), --help
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        (sys.stderr if err is None else err).write(f"{e.code}\n")  # as Python prints it
+        return 1
+    finally:
+        sys.argv, sys.path[:] = argv, path_before
+
+
 def one_process_reference(script: str, *args, label: str = "one process: ") -> dict | None:
     """The one-process run a parity check compares with, inside this launch: rank 0 runs
     SCRIPT (a one-process script, relative to code/, e.g. "ch01_ddp/train_single.py") in this
@@ -210,20 +233,15 @@ def one_process_reference(script: str, *args, label: str = "one process: ") -> d
     itself and leaves the random state where its run ended."""
     if _rank() != 0:
         return None
-    import contextlib
     import io
-    import runpy
     import tempfile
-    path, argv, out = CODE / script, sys.argv, io.StringIO()
+    out = io.StringIO()
     with tempfile.TemporaryDirectory() as tmp:
-        sys.argv = [str(path), *map(str, args), "--json", str(Path(tmp) / "reference.json")]
-        try:
-            with contextlib.redirect_stdout(out):
-                runpy.run_path(str(path), run_name="__main__")
-        finally:
-            sys.argv = argv
+        status = run_script(CODE / script, [*args, "--json", Path(tmp) / "reference.json"], out)
         for line in out.getvalue().splitlines():
             print(f"{label}{line}", flush=True)
+        if status:
+            sys.exit(f"the one-process reference {script} failed (exit status {status})")
         return json.loads((Path(tmp) / "reference.json").read_text())
 
 

@@ -415,31 +415,21 @@ def run_here(script: str, *args) -> None:
     LaunchFailed, as run_python does. Afterwards the random generators are where they were (the
     script seeds its own), and a log handler made while it ran (transformers makes its own at
     its first import) writes to the kernel's stderr, not to this run's capture."""
-    import contextlib
     import logging
     import random
-    import runpy
     import numpy as np
     import torch
     import torch.distributed as dist
+    from distkit.dist import run_script
     path = CODE / script
     print("$ PYTHONPATH=code python", shlex.join([f"code/{script}", *map(_shown, args)]),
           flush=True)
-    argv, path_before = sys.argv, list(sys.path)
     rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
     had_group = dist.is_available() and dist.is_initialized()
-    sys.argv = [str(path), *map(str, args)]
-    sys.path.insert(0, str(path.parent))  # as `python SCRIPT` puts the script's folder first
-    out, code = _Relative(sys.stdout), 0
+    out = _Relative(sys.stdout)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            runpy.run_path(str(path), run_name="__main__")
-    except SystemExit as e:  # sys.exit(...), parser.error(), --help
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if not isinstance(e.code, (int, type(None))):  # sys.exit("message"): Python prints it
-            out.write(f"{e.code}\n")
+        code = run_script(path, args, out, out)
     finally:
-        sys.argv, sys.path[:] = argv, path_before
         random.setstate(rng[0])
         np.random.set_state(rng[1])
         torch.set_rng_state(rng[2])
